@@ -1,0 +1,36 @@
+"""URLs: the REST API under /api/v1/, the admin, Django auth, and the drawing page."""
+from __future__ import annotations
+
+from django.contrib import admin
+from django.urls import include, path
+from drf_spectacular.views import SpectacularAPIView
+from rest_framework.decorators import api_view, permission_classes
+from rest_framework.permissions import AllowAny
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.routers import SimpleRouter
+
+from models_registry.api import ModelListView
+from scheduling.api import JobViewSet, QueuesView
+
+router = SimpleRouter(trailing_slash=True)
+router.register("jobs", JobViewSet, basename="job")
+
+
+@api_view(["GET"])
+@permission_classes([AllowAny])
+def api_root(request: Request) -> Response:
+    """The API's entry points."""
+    return Response({"jobs": "/api/v1/jobs/", "models": "/api/v1/models/", "usage": "/api/v1/usage/",
+                     "queues": "/api/v1/queues/", "schema": "/api/v1/schema/"})
+
+
+urlpatterns = [
+    path("api/v1/", api_root, name="api-root"),
+    path("api/v1/", include(router.urls)),
+    path("api/v1/models/", ModelListView.as_view(), name="models"),
+    path("api/v1/queues/", QueuesView.as_view(), name="queues"),
+    path("api/v1/schema/", SpectacularAPIView.as_view(permission_classes=[AllowAny]), name="schema"),
+    path("admin/", admin.site.urls),
+    path("accounts/", include("django.contrib.auth.urls")),
+]

@@ -1,0 +1,8 @@
+from __future__ import annotations
+
+from django.apps import AppConfig
+
+
+class RealtimeConfig(AppConfig):
+    name = "realtime"
+    verbose_name = "Realtime sessions"

@@ -1,0 +1,69 @@
+"""Operators' view of jobs: filter by state and model, queued ones in dispatch order with positions,
+and actions to cancel and requeue."""
+from __future__ import annotations
+
+from typing import Any
+
+from django.contrib import admin, messages
+from django.db.models import QuerySet
+from django.http import HttpRequest
+
+from potocolom.errors import JobAlreadyEnded
+from scheduling import services
+from scheduling.models import Job, JobState
+
+
+class QueueOrderFilter(admin.SimpleListFilter):
+    """'Queued, in dispatch order': the queue's own order (priority, then submission)."""
+
+    title = "order"
+    parameter_name = "order"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [("queue", "Queued, in dispatch order")]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Job]) -> QuerySet[Job]:
+        if self.value() == "queue":
+            return queryset.filter(state=JobState.QUEUED).order_by("model_id", "-priority", "submitted_us", "id")
+        return queryset
+
+
+@admin.register(Job)
+class JobAdmin(admin.ModelAdmin):
+    list_display = ["id", "account", "model_id", "state", "priority", "position", "attempts", "worker_id",
+                    "progress", "created_at", "finished_at"]
+    list_filter = [QueueOrderFilter, "state", "model_id"]
+    search_fields = ["id", "account__username", "model_id", "worker_id"]
+    readonly_fields = [f.name for f in Job._meta.fields]
+    actions = ["cancel_jobs", "requeue_jobs"]
+
+    def get_ordering(self, request: HttpRequest) -> list[str]:
+        return ["-created_at"]
+
+    @admin.display(description="position")
+    def position(self, job: Job) -> int | None:
+        return services.dispatcher().position(str(job.id)) if job.state == JobState.QUEUED else None
+
+    @admin.display(description="progress")
+    def progress(self, job: Job) -> str:
+        return f"{job.progress_step}/{job.progress_steps}" if job.progress_steps else ""
+
+    @admin.action(description="Cancel the selected jobs")
+    def cancel_jobs(self, request: HttpRequest, queryset: QuerySet[Job]) -> None:
+        done = 0
+        for job in queryset:
+            try:
+                services.job_cancel(job=job)
+                done += 1
+            except JobAlreadyEnded:
+                pass
+        self.message_user(request, f"cancelled {done} job(s)", messages.SUCCESS)
+
+    @admin.action(description="Requeue the selected jobs (failed, cancelled or stuck)")
+    def requeue_jobs(self, request: HttpRequest, queryset: QuerySet[Job]) -> None:
+        moved = [services.job_requeue(job=job) for job in queryset]
+        count = sum(1 for job in moved if job.state != JobState.SUCCEEDED)
+        self.message_user(request, f"requeued {count} job(s)", messages.SUCCESS)
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False

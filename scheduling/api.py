@@ -1,0 +1,93 @@
+"""REST for jobs: /api/v1/jobs/ (DRF). Views translate; services and selectors do the work."""
+from __future__ import annotations
+
+import mimetypes
+import uuid
+from typing import Any
+
+from django.core.files.storage import default_storage
+from django.http import FileResponse, Http404
+from drf_spectacular.utils import OpenApiParameter, extend_schema
+from rest_framework import mixins, status, viewsets
+from rest_framework.decorators import action
+from rest_framework.permissions import IsAdminUser
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from potocolom.errors import InvalidRequest
+from scheduling import selectors, services
+from scheduling.models import Job, JobState
+from scheduling.serializers import JobCreateSerializer, JobSerializer
+
+
+class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+    """An account's image-generation jobs; another account's job answers 404."""
+
+    serializer_class = JobSerializer
+
+    def get_queryset(self) -> Any:
+        state = self.request.query_params.get("state") if self.action == "list" else None
+        if state is not None and state not in JobState.values:
+            raise InvalidRequest({"state": [f"must be one of {', '.join(JobState.values)}"]})
+        return selectors.jobs_of(account=self.request.user, state=state)
+
+    def get_object(self) -> Job:
+        try:  # a malformed id is a missing job, not a 500
+            uuid.UUID(str(self.kwargs.get("pk")))
+        except ValueError:
+            raise Http404 from None
+        return super().get_object()
+
+    def get_serializer_context(self) -> dict[str, Any]:
+        return {**super().get_serializer_context(), "positions": getattr(self, "_positions", {})}
+
+    def paginate_queryset(self, queryset: Any) -> Any:
+        page = super().paginate_queryset(queryset)
+        self._positions = selectors.positions_of(page if page is not None else queryset)
+        return page
+
+    def retrieve(self, request: Request, *args: Any, **kwargs: Any) -> Response:
+        job = self.get_object()
+        self._positions = selectors.positions_of([job])
+        return Response(self.get_serializer(job).data)
+
+    @extend_schema(parameters=[OpenApiParameter("state", str, enum=JobState.values)])
+    def list(self, request: Request, *args: Any, **kwargs: Any) -> Response:
+        return super().list(request, *args, **kwargs)
+
+    @extend_schema(request=JobCreateSerializer, responses={201: JobSerializer})
+    def create(self, request: Request) -> Response:
+        """Submit a job. Without model_id the cheapest model that fits tier, capabilities and params runs it."""
+        body = JobCreateSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        job = services.job_submit(account=request.user, request=body.to_request())
+        self._positions = selectors.positions_of([job])
+        return Response(self.get_serializer(job).data, status=status.HTTP_201_CREATED)
+
+    @extend_schema(request=None, responses={200: JobSerializer})
+    @action(detail=True, methods=["post"])
+    def cancel(self, request: Request, pk: str | None = None) -> Response:
+        """Cancel a job that has not ended (409 when it has)."""
+        job = services.job_cancel(job=self.get_object())
+        return Response(self.get_serializer(job).data)
+
+    @extend_schema(responses={(200, "image/png"): bytes})
+    @action(detail=True, methods=["get"], url_path=r"images/(?P<index>\d+)", url_name="image")
+    def image(self, request: Request, pk: str | None = None, index: str = "0") -> FileResponse:
+        """One of a succeeded job's images (PNG), for its own account only."""
+        job = self.get_object()
+        if int(index) >= len(job.images):
+            raise Http404
+        name = job.images[int(index)]
+        content_type = mimetypes.guess_type(name)[0] or "application/octet-stream"
+        return FileResponse(default_storage.open(name, "rb"), content_type=content_type)
+
+
+class QueuesView(APIView):
+    """Staff only: queued jobs per model, queued sessions, and connected workers."""
+
+    permission_classes = [IsAdminUser]
+
+    def get(self, request: Request) -> Response:
+        return Response(selectors.queues_snapshot())

@@ -1,0 +1,160 @@
+"""The in-process owner of the job queue and of what each connected worker holds.
+
+Plain data behind one lock: services call it after their database writes commit, and the
+decisions it applies (`plan_dispatch`, `worker_is_dead`) are the pure functions of jobs.py.
+Nothing else mutates this state. One instance lives in each API process (`get_dispatcher`), built
+from the database on first use, so a restarted API loses no job and dispatches none twice.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from scheduling.jobs import Assignment, InProcessQueues, QueuedJob, WorkerCapacity, plan_dispatch
+
+
+@dataclass
+class ConnectedWorker:
+    worker_id: str
+    channel_name: str
+    models: frozenset[str]
+    joined: int
+    held: set[str] = field(default_factory=set)
+
+
+@dataclass
+class Orphans:
+    """Jobs that a worker held when this API process started; it has until `deadline` to say hello."""
+
+    held: set[str]
+    deadline: float
+
+
+class Dispatcher:
+    def __init__(self, *, depth: int) -> None:
+        self.depth = depth
+        self.lock = threading.RLock()
+        self.queues = InProcessQueues()
+        self.workers: dict[str, ConnectedWorker] = {}
+        self.orphans: dict[str, Orphans] = {}
+        self.loaded = False
+        self._joined = itertools.count()
+
+    def load(self, *, queued: Iterable[QueuedJob], held: dict[str, set[str]], deadline: float) -> None:
+        """Rebuild from the database: queued jobs, and jobs held by workers not yet reconnected."""
+        with self.lock:
+            self.queues.rebuild(queued)
+            self.orphans = {worker_id: Orphans(set(jobs), deadline) for worker_id, jobs in held.items() if jobs}
+            self.loaded = True
+
+    # workers
+
+    def connect(self, *, worker_id: str, channel_name: str, models: Iterable[str]) -> str | None:
+        """Register a worker's connection; it keeps the jobs it held before (a reconnect, or this
+        process's restart). Returns the channel of an older connection with the same id, if any."""
+        with self.lock:
+            previous = self.workers.pop(worker_id, None)
+            held = previous.held if previous else set()
+            orphans = self.orphans.pop(worker_id, None)
+            if orphans:
+                held |= orphans.held
+            self.workers[worker_id] = ConnectedWorker(worker_id, channel_name, frozenset(models),
+                                                      next(self._joined), held)
+            return previous.channel_name if previous and previous.channel_name != channel_name else None
+
+    def disconnect(self, *, worker_id: str, channel_name: str) -> set[str] | None:
+        """Forget a connection; the jobs it held (to send back), or None when a newer connection of
+        the same worker has taken over."""
+        with self.lock:
+            worker = self.workers.get(worker_id)
+            if worker is None or worker.channel_name != channel_name:
+                return None
+            del self.workers[worker_id]
+            return worker.held
+
+    def expired_orphans(self, *, now: float) -> dict[str, set[str]]:
+        """Take the held jobs of workers that did not come back in time."""
+        with self.lock:
+            gone = {w: o.held for w, o in self.orphans.items() if o.deadline <= now}
+            for worker_id in gone:
+                del self.orphans[worker_id]
+            return gone
+
+    def channel_of(self, worker_id: str | None) -> str | None:
+        with self.lock:
+            worker = self.workers.get(worker_id or "")
+            return worker.channel_name if worker else None
+
+    # jobs
+
+    def push(self, job: QueuedJob) -> None:
+        with self.lock:
+            self.queues.push(job)
+
+    def remove(self, job_id: str) -> bool:
+        with self.lock:
+            return self.queues.remove(job_id) is not None
+
+    def release(self, job_id: str) -> str | None:
+        """A held job ended or left its worker; the worker that held it (None when none did)."""
+        with self.lock:
+            for worker in self.workers.values():
+                if job_id in worker.held:
+                    worker.held.discard(job_id)
+                    return worker.worker_id
+            for worker_id, orphans in self.orphans.items():
+                if job_id in orphans.held:
+                    orphans.held.discard(job_id)
+                    return worker_id
+            return None
+
+    def plan(self, claim: Callable[[Assignment], bool]) -> list[Assignment]:
+        """Decide dispatches and apply those that `claim` confirms (the database compare-and-set).
+
+        A job whose claim fails (cancelled meanwhile) is dropped from the plan and planning goes on.
+        """
+        with self.lock:
+            done: list[Assignment] = []
+            while True:
+                capacities = [WorkerCapacity(w.worker_id, w.models, len(w.held), w.joined)
+                              for w in self.workers.values()]
+                planned = plan_dispatch(self.queues, capacities, depth=self.depth)
+                if not planned:
+                    return done
+                for assignment in planned:
+                    if claim(assignment):
+                        self.workers[assignment.worker_id].held.add(assignment.job.job_id)
+                        done.append(assignment)
+
+    def position(self, job_id: str) -> int | None:
+        with self.lock:
+            return self.queues.position(job_id)
+
+    def held_by(self, worker_id: str) -> set[str]:
+        with self.lock:
+            worker = self.workers.get(worker_id)
+            return set(worker.held) if worker else set()
+
+
+_instance: Dispatcher | None = None
+_instance_lock = threading.Lock()
+
+
+def get_dispatcher() -> Dispatcher:
+    """This process's dispatcher (not yet loaded: services load it from the database on first use)."""
+    global _instance
+    with _instance_lock:
+        if _instance is None:
+            from django.conf import settings
+
+            _instance = Dispatcher(depth=settings.JOB_DISPATCH_DEPTH)
+        return _instance
+
+
+def reset_dispatcher() -> None:
+    """Forget this process's dispatcher, as a restart does (tests)."""
+    global _instance
+    with _instance_lock:
+        _instance = None

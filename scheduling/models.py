@@ -1,0 +1,57 @@
+"""Jobs: the database is the truth; the in-process queue is a cache rebuilt from it."""
+from __future__ import annotations
+
+import uuid
+
+from django.conf import settings
+from django.db import models
+
+
+class JobState(models.TextChoices):
+    QUEUED = "queued"
+    DISPATCHED = "dispatched"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+ACTIVE_STATES = (JobState.QUEUED, JobState.DISPATCHED, JobState.RUNNING)
+HELD_STATES = (JobState.DISPATCHED, JobState.RUNNING)
+FINAL_STATES = (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
+
+
+class Job(models.Model):
+    """One image-generation request of an account."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    account = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="jobs")
+    model_id = models.CharField(max_length=200)
+    params = models.JSONField(default=dict)
+    priority = models.PositiveSmallIntegerField(default=0)
+    state = models.CharField(max_length=20, choices=JobState.choices, default=JobState.QUEUED)
+    attempts = models.PositiveSmallIntegerField(default=1)
+    worker_id = models.CharField(max_length=200, null=True, blank=True)
+    # Submission order: integer microseconds since the epoch (exact, unlike a float), then id.
+    submitted_us = models.BigIntegerField()
+    created_at = models.DateTimeField()
+    dispatched_at = models.DateTimeField(null=True, blank=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    progress_step = models.PositiveIntegerField(null=True, blank=True)
+    progress_steps = models.PositiveIntegerField(null=True, blank=True)
+    images = models.JSONField(default=list, blank=True)  # storage names, in order
+    gpu_ms = models.FloatField(null=True, blank=True)
+    rung = models.CharField(max_length=40, blank=True, default="")
+    error = models.TextField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at", "id"]
+        indexes = [
+            models.Index(fields=["state", "model_id"], name="job_state_model"),
+            models.Index(fields=["account", "-created_at"], name="job_account_recent"),
+            models.Index(fields=["worker_id", "state"], name="job_worker_state"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.id} ({self.model_id}, {self.state})"

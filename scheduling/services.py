@@ -1,0 +1,287 @@
+"""Writes of the job path: every state change is a compare-and-set in the database, then the
+in-process dispatcher is told, then messages go out to workers (after the commit).
+
+Services are synchronous; async callers (consumers) run them with database_sync_to_async.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import logging
+import time
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from datetime import timezone as dt_timezone
+from typing import Any
+
+from asgiref.sync import async_to_sync
+from channels.layers import get_channel_layer
+from django.conf import settings
+from django.contrib.auth.models import AbstractBaseUser
+from django.core.files.base import ContentFile
+from django.core.files.storage import default_storage
+from django.db import transaction
+from django.utils import timezone
+
+from models_registry.manifests import RoutingError, route
+from models_registry.services import registered_manifests
+from potocolom import errors
+from scheduling.dispatcher import Dispatcher, get_dispatcher
+from scheduling.jobs import Assignment, QueuedJob, retry_decision
+from scheduling.models import ACTIVE_STATES, HELD_STATES, Job, JobState
+
+log = logging.getLogger(__name__)
+EPOCH = datetime(1970, 1, 1, tzinfo=dt_timezone.utc)
+WORKER_LOST = "worker_lost"
+MAX_IMAGE_BYTES = 12 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class JobRequest:
+    params: dict[str, Any]
+    model_id: str | None = None
+    tier: str | None = None
+    capabilities: tuple[str, ...] = ()
+    priority: int = 0
+
+
+def to_microseconds(moment: datetime) -> int:
+    return (moment - EPOCH) // timedelta(microseconds=1)
+
+
+def queued_job(job: Job) -> QueuedJob:
+    return QueuedJob(job_id=str(job.id), model_id=job.model_id, priority=job.priority, submitted_us=job.submitted_us)
+
+
+# --- the dispatcher, loaded from the database on first use ------------------------------------
+
+def dispatcher() -> Dispatcher:
+    """This process's dispatcher, rebuilt from the database the first time it is needed."""
+    current = get_dispatcher()
+    if not current.loaded:
+        with current.lock:
+            if not current.loaded:
+                queued = Job.objects.filter(state=JobState.QUEUED).values_list(
+                    "id", "model_id", "priority", "submitted_us").iterator(chunk_size=10_000)
+                held: dict[str, set[str]] = {}
+                for job_id, worker_id in Job.objects.filter(state__in=HELD_STATES).values_list("id", "worker_id"):
+                    held.setdefault(worker_id or "", set()).add(str(job_id))
+                # A worker that held jobs gets the contract's dead-worker window to reconnect.
+                grace = 4 * settings.WORKER_HEARTBEAT_SECONDS
+                current.load(queued=(QueuedJob(str(i), m, p, s) for i, m, p, s in queued), held=held,
+                             deadline=time.monotonic() + grace)
+    return current
+
+
+def send_to_channel(channel_name: str, message: dict[str, Any]) -> None:
+    """Send a layer message to one consumer (from sync code, after the commit)."""
+    async_to_sync(get_channel_layer().send)(channel_name, message)
+
+
+def send_to_worker(channel_name: str, message: dict[str, Any]) -> None:
+    send_to_channel(channel_name, {"type": "worker.send", "message": message})
+
+
+def dispatch() -> list[Assignment]:
+    """Hand queued jobs to workers with room, claiming each in the database first."""
+    current = dispatcher()
+    now = timezone.now()
+    sent: list[tuple[str, dict[str, Any]]] = []
+
+    def claim(assignment: Assignment) -> bool:
+        job = assignment.job
+        claimed = Job.objects.filter(id=job.job_id, state=JobState.QUEUED).update(
+            state=JobState.DISPATCHED, worker_id=assignment.worker_id, dispatched_at=now,
+            progress_step=None, progress_steps=None) == 1
+        if claimed:
+            row = Job.objects.values("attempts", "params").get(id=job.job_id)
+            channel = current.channel_of(assignment.worker_id)
+            if channel:
+                sent.append((channel, {"type": "job", "job_id": job.job_id, "attempt": row["attempts"],
+                                       "model_id": job.model_id, "params": row["params"]}))
+        return claimed
+
+    assignments = current.plan(claim)
+    for channel, message in sent:
+        send_to_worker(channel, message)
+    return assignments
+
+
+# --- REST side --------------------------------------------------------------------------------
+
+def job_submit(*, account: AbstractBaseUser, request: JobRequest) -> Job:
+    """Route, persist and queue a job; workers with room get it after the commit."""
+    try:
+        manifest = route(registered_manifests(), model_id=request.model_id, tier=request.tier,
+                         capabilities=request.capabilities, params=request.params)
+    except RoutingError as exc:
+        raise {"unknown_model": errors.UnknownModel, "invalid_params": errors.InvalidParams,
+               "no_matching_model": errors.NoMatchingModel}.get(exc.code, errors.InvalidRequest)(exc.detail) from None
+    now = timezone.now()
+    with transaction.atomic():
+        job = Job.objects.create(account=account, model_id=manifest.model_id, params=request.params,
+                                 priority=request.priority, created_at=now, submitted_us=to_microseconds(now))
+        transaction.on_commit(lambda: _queue_and_dispatch(job))
+    return job
+
+
+def _queue_and_dispatch(job: Job) -> None:
+    dispatcher().push(queued_job(job))
+    dispatch()
+
+
+def job_cancel(*, job: Job) -> Job:
+    """Cancel a job that has not ended; a worker holding it gets `cancel`. JobAlreadyEnded otherwise."""
+    now = timezone.now()
+    with transaction.atomic():
+        cancelled = Job.objects.filter(id=job.id, state__in=ACTIVE_STATES).update(
+            state=JobState.CANCELLED, finished_at=now)
+    job.refresh_from_db()
+    if not cancelled:
+        raise errors.JobAlreadyEnded(f"job {job.id} already ended: {job.state}")
+    current = dispatcher()
+    current.remove(str(job.id))
+    holder = current.release(str(job.id))
+    channel = current.channel_of(holder)
+    if channel:
+        send_to_worker(channel, {"type": "cancel", "job_id": str(job.id)})
+    if holder:
+        dispatch()
+    return job
+
+
+def job_requeue(*, job: Job) -> Job:
+    """Operators: put a failed, cancelled or stuck job back in the queue at its old place."""
+    with transaction.atomic():
+        moved = Job.objects.filter(id=job.id).exclude(state__in=(JobState.QUEUED, JobState.SUCCEEDED)).update(
+            state=JobState.QUEUED, worker_id=None, dispatched_at=None, started_at=None, finished_at=None,
+            error=None, attempts=1, progress_step=None, progress_steps=None)
+    job.refresh_from_db()
+    if moved:
+        current = dispatcher()
+        holder = current.release(str(job.id))
+        channel = current.channel_of(holder)
+        if channel:
+            send_to_worker(channel, {"type": "cancel", "job_id": str(job.id)})
+        current.push(queued_job(job))
+        dispatch()
+    return job
+
+
+# --- worker side ------------------------------------------------------------------------------
+
+def job_started(*, worker_id: str, job_id: str) -> bool:
+    return Job.objects.filter(id=job_id, worker_id=worker_id, state=JobState.DISPATCHED).update(
+        state=JobState.RUNNING, started_at=timezone.now()) == 1
+
+
+def job_progress(*, worker_id: str, job_id: str, step: int, steps: int) -> bool:
+    updated = Job.objects.filter(id=job_id, worker_id=worker_id, state__in=HELD_STATES).update(
+        progress_step=step, progress_steps=steps)
+    # A worker may report progress before job_started arrives; progress means it is running.
+    Job.objects.filter(id=job_id, worker_id=worker_id, state=JobState.DISPATCHED).update(
+        state=JobState.RUNNING, started_at=timezone.now())
+    return updated == 1
+
+
+def decode_image(value: str) -> tuple[bytes, str]:
+    """A worker's base64 PNG or JPEG (bare, or a data: URL) as bytes and its extension."""
+    if not isinstance(value, str):
+        raise ValueError("an image must be a base64 string")
+    if value.startswith("data:"):
+        value = value.partition(",")[2]
+    try:
+        data = base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError("an image is not valid base64") from None
+    if len(data) > MAX_IMAGE_BYTES:
+        raise ValueError("an image is too large")
+    if data.startswith(b"\x89PNG\r\n\x1a\n"):
+        return data, "png"
+    if data.startswith(b"\xff\xd8\xff"):
+        return data, "jpg"
+    raise ValueError("an image must be a PNG or a JPEG")
+
+
+def job_finish(*, worker_id: str, job_id: str, images: list[str], gpu_ms: float | None, rung: str) -> bool:
+    """Store a job's images and mark it succeeded; frees the worker's place for the next job."""
+    if not Job.objects.filter(id=job_id, worker_id=worker_id, state__in=HELD_STATES).exists():
+        return False
+    try:
+        decoded = [decode_image(image) for image in images]
+    except ValueError as exc:
+        return job_fail(worker_id=worker_id, job_id=job_id, error=f"the worker sent a bad image: {exc}")
+    names = []
+    for n, (data, extension) in enumerate(decoded):
+        names.append(default_storage.save(f"jobs/{job_id}/{n}.{extension}", ContentFile(data)))
+    now = timezone.now()
+    finished = Job.objects.filter(id=job_id, worker_id=worker_id, state__in=HELD_STATES).update(
+        state=JobState.SUCCEEDED, images=names, gpu_ms=gpu_ms, rung=rung[:40], finished_at=now,
+        started_at=_coalesce_started(job_id, now)) == 1
+    if not finished:
+        for name in names:
+            default_storage.delete(name)
+    _release_and_dispatch(job_id)
+    return finished
+
+
+def _coalesce_started(job_id: str, now: datetime) -> datetime:
+    started = Job.objects.values_list("started_at", flat=True).get(id=job_id)
+    return started or now
+
+
+def job_fail(*, worker_id: str, job_id: str, error: str) -> bool:
+    """A failure the worker reports is final."""
+    failed = Job.objects.filter(id=job_id, worker_id=worker_id, state__in=HELD_STATES).update(
+        state=JobState.FAILED, error=str(error)[:2000] or "failed", finished_at=timezone.now()) == 1
+    _release_and_dispatch(job_id)
+    return failed
+
+
+def _release_and_dispatch(job_id: str) -> None:
+    if dispatcher().release(job_id):
+        dispatch()
+
+
+def jobs_return(*, job_ids: set[str]) -> None:
+    """The worker holding these jobs died: each goes back to the queue at its old place once,
+    and fails with worker_lost the second time."""
+    now = timezone.now()
+    current = dispatcher()
+    for job in Job.objects.filter(id__in=job_ids, state__in=HELD_STATES):
+        current.release(str(job.id))
+        if retry_decision(attempts=job.attempts) == "requeue":
+            moved = Job.objects.filter(id=job.id, state__in=HELD_STATES, attempts=job.attempts).update(
+                state=JobState.QUEUED, worker_id=None, attempts=job.attempts + 1, dispatched_at=None,
+                started_at=None, progress_step=None, progress_steps=None)
+            if moved:
+                current.push(queued_job(job))
+        else:
+            Job.objects.filter(id=job.id, state__in=HELD_STATES).update(
+                state=JobState.FAILED, error=WORKER_LOST, finished_at=now)
+    dispatch()
+
+
+def worker_connected(*, worker_id: str, channel_name: str, models: list[str]) -> str | None:
+    """Register a worker connection and hand it work; the channel of a connection it replaced."""
+    replaced = dispatcher().connect(worker_id=worker_id, channel_name=channel_name, models=models)
+    sweep_orphans()
+    dispatch()
+    return replaced
+
+
+def worker_disconnected(*, worker_id: str, channel_name: str) -> bool:
+    """A worker's socket closed or fell silent: it is dead, and its jobs follow the retry rule.
+    False when a newer connection of the same worker had already taken over."""
+    held = dispatcher().disconnect(worker_id=worker_id, channel_name=channel_name)
+    if held is None:
+        return False
+    jobs_return(job_ids=held)
+    return True
+
+
+def sweep_orphans() -> None:
+    """Jobs held by workers that did not reconnect after this API process started follow the retry rule."""
+    for held in dispatcher().expired_orphans(now=time.monotonic()).values():
+        jobs_return(job_ids=held)
+

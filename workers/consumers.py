@@ -1,0 +1,146 @@
+"""The worker socket /ws/worker/?token=T: translates between the wire and the services."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any
+from urllib.parse import parse_qs
+
+from channels.db import database_sync_to_async
+from channels.generic.websocket import AsyncWebsocketConsumer
+from django.conf import settings
+
+from scheduling import services as jobs
+from scheduling.jobs import worker_is_dead
+from workers import services
+from workers.messages import (MessageError, parse_hello, parse_job_failed, parse_job_id, parse_job_progress,
+                              parse_job_result)
+
+log = logging.getLogger(__name__)
+CLOSE_UNAUTHENTICATED = 4001
+CLOSE_REPLACED = 4002  # a newer connection with the same worker_id took over
+CLOSE_SILENT = 4008  # no message for 3 heartbeat periods
+
+
+def query_token(scope: dict[str, Any]) -> str | None:
+    values = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("token")
+    return values[0] if values else None
+
+
+class WorkerConsumer(AsyncWebsocketConsumer):
+    """One GPU worker's connection."""
+
+    worker_id: str | None = None
+    credential: Any = None
+    watchdog: asyncio.Task | None = None
+    lost = False
+
+    async def connect(self) -> None:
+        """Accept, then close with 4001 unless the token is a worker credential."""
+        await self.accept()
+        self.credential = await database_sync_to_async(services.worker_token_check)(token=query_token(self.scope))
+        if self.credential is None:
+            await self.close(code=CLOSE_UNAUTHENTICATED)
+            return
+        self.last_seen = time.monotonic()
+
+    async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
+        """Parse a JSON message and hand it to its handler; a bad message is logged, never fatal."""
+        if self.credential is None or self.lost:
+            return
+        self.last_seen = time.monotonic()
+        try:
+            message = json.loads(text_data or "")
+            if not isinstance(message, dict):
+                raise MessageError("a message must be a JSON object")
+            kind = message.get("type")
+            if kind == "hello":
+                await self.on_hello(message)
+            elif self.worker_id is None:
+                raise MessageError("the first message must be hello")
+            elif kind == "heartbeat":
+                pass
+            elif kind in self.HANDLERS:
+                await database_sync_to_async(self.HANDLERS[kind])(self, message)
+            else:
+                log.info("worker %s sent a message this API does not handle yet: %r", self.worker_id, kind)
+        except (ValueError, MessageError) as exc:
+            log.warning("worker %s: bad message: %s", self.worker_id or "(no hello)", exc)
+
+    async def on_hello(self, message: dict[str, Any]) -> None:
+        hello = parse_hello(message)
+        if self.worker_id is not None and hello.worker_id != self.worker_id:
+            raise MessageError("a connection cannot change its worker_id")
+        served, unknown = await database_sync_to_async(services.worker_hello)(
+            worker_id=hello.worker_id, token=self.credential, gpu=hello.gpu,
+            models=[m.as_dict() for m in hello.models])
+        self.worker_id = hello.worker_id
+        await self.send(text_data=json.dumps({
+            "type": "welcome", "unknown_models": unknown,
+            "heartbeat_seconds": settings.WORKER_HEARTBEAT_SECONDS, "frame_budget_ms": settings.FRAME_BUDGET_MS}))
+        replaced = await database_sync_to_async(jobs.worker_connected)(
+            worker_id=hello.worker_id, channel_name=self.channel_name, models=[m["model_id"] for m in served])
+        if replaced:
+            await self.channel_layer.send(replaced, {"type": "worker.replaced"})
+        if self.watchdog is None:
+            self.watchdog = asyncio.create_task(self.watch())
+
+    def on_job_started(self, message: dict[str, Any]) -> None:
+        jobs.job_started(worker_id=self.worker_id or "", job_id=parse_job_id(message))
+
+    def on_job_progress(self, message: dict[str, Any]) -> None:
+        job_id, step, steps = parse_job_progress(message)
+        jobs.job_progress(worker_id=self.worker_id or "", job_id=job_id, step=step, steps=steps)
+
+    def on_job_result(self, message: dict[str, Any]) -> None:
+        result = parse_job_result(message)
+        jobs.job_finish(worker_id=self.worker_id or "", job_id=result.job_id, images=result.images,
+                        gpu_ms=result.gpu_ms, rung=result.rung)
+
+    def on_job_failed(self, message: dict[str, Any]) -> None:
+        job_id, error = parse_job_failed(message)
+        jobs.job_fail(worker_id=self.worker_id or "", job_id=job_id, error=error)
+
+    HANDLERS = {"job_started": on_job_started, "job_progress": on_job_progress,
+                "job_result": on_job_result, "job_failed": on_job_failed}
+
+    async def watch(self) -> None:
+        """Every heartbeat period: a worker silent for 3 periods is dead; workers that held jobs
+        before this API process started and did not come back lose them."""
+        period = settings.WORKER_HEARTBEAT_SECONDS
+        while not self.lost:
+            await asyncio.sleep(period)
+            await database_sync_to_async(jobs.sweep_orphans)()
+            if worker_is_dead(last_seen=self.last_seen, now=time.monotonic(), heartbeat_seconds=period):
+                log.warning("worker %s sent nothing for 3 heartbeat periods: dead", self.worker_id)
+                await self.lose()
+                await self.close(code=CLOSE_SILENT)
+                return
+
+    async def lose(self) -> None:
+        """This connection is over: its jobs follow the retry rule (once)."""
+        if self.lost or self.worker_id is None:
+            self.lost = True
+            return
+        self.lost = True
+        current = await database_sync_to_async(jobs.worker_disconnected)(worker_id=self.worker_id,
+                                                                         channel_name=self.channel_name)
+        if current:
+            await database_sync_to_async(services.worker_gone)(worker_id=self.worker_id)
+
+    async def disconnect(self, code: int) -> None:
+        if self.watchdog is not None and self.watchdog is not asyncio.current_task():
+            self.watchdog.cancel()
+        await self.lose()
+
+    async def worker_send(self, event: dict[str, Any]) -> None:
+        """A message for the worker from a service (job, cancel)."""
+        if not self.lost:
+            await self.send(text_data=json.dumps(event["message"]))
+
+    async def worker_replaced(self, event: dict[str, Any]) -> None:
+        """A newer connection of this worker took over: leave without sending its jobs back."""
+        self.lost = True
+        await self.close(code=CLOSE_REPLACED)
