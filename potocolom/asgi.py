@@ -1,7 +1,9 @@
 """ASGI entry point: HTTP (Django) and the two sockets (browser sessions, GPU workers)."""
 from __future__ import annotations
 
+import logging
 import os
+import threading
 
 from django.core.asgi import get_asgi_application
 
@@ -10,6 +12,7 @@ django_asgi_app = get_asgi_application()
 
 from channels.auth import AuthMiddlewareStack  # noqa: E402  (needs Django set up)
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
+from django.conf import settings  # noqa: E402
 from django.urls import path  # noqa: E402
 
 from workers.consumers import WorkerConsumer  # noqa: E402
@@ -17,6 +20,23 @@ from workers.consumers import WorkerConsumer  # noqa: E402
 websocket_urls = [
     path("ws/worker/", WorkerConsumer.as_asgi()),
 ]
+
+def rebuild_queue_at_start() -> None:
+    """Load the job queue from the database in the background while Daphne starts listening."""
+    from django.db import connection
+
+    from scheduling.services import dispatcher
+
+    try:
+        dispatcher()
+    except Exception:  # the first request retries the load and reports the error there
+        logging.getLogger(__name__).exception("could not rebuild the job queue at start")
+    finally:
+        connection.close()
+
+
+if settings.QUEUE_REBUILD_AT_START:
+    threading.Thread(target=rebuild_queue_at_start, name="queue-rebuild", daemon=True).start()
 
 application = ProtocolTypeRouter({
     "http": django_asgi_app,

@@ -16,7 +16,7 @@ class DomainError(Exception):
     """Something the request asked for cannot be done."""
 
     code = "invalid_request"
-    http_status = status.HTTP_400_BAD_REQUEST
+    http_status: int = status.HTTP_400_BAD_REQUEST
 
     def __init__(self, detail: Any = None) -> None:
         self.detail = detail if detail is not None else (self.__doc__ or "").strip()

@@ -72,6 +72,8 @@ if MEMORY_MODE not in ("auto", "full", "model_offload", "group_offload"):
     raise ImproperlyConfigured(f"MEMORY_MODE must be auto, full, model_offload or group_offload, got {MEMORY_MODE!r}")
 MODELS_DIR = envstr("MODELS_DIR", str(BASE_DIR / "models"))
 REDIS_URL = envstr("REDIS_URL", None)
+# Rebuild the job queue from the database as the API process starts, not at the first worker's hello.
+QUEUE_REBUILD_AT_START = envbool("QUEUE_REBUILD_AT_START", True)
 # A browser message over this closes the socket with 4009; worker messages carry whole images.
 BROWSER_MESSAGE_MAX_BYTES = 4 * 1024 * 1024
 

@@ -37,8 +37,8 @@ class JobAdmin(admin.ModelAdmin):
     readonly_fields = [f.name for f in Job._meta.fields]
     actions = ["cancel_jobs", "requeue_jobs"]
 
-    def get_ordering(self, request: HttpRequest) -> list[str]:
-        return ["-created_at"]
+    def get_ordering(self, request: HttpRequest) -> tuple[str, ...]:
+        return ("-created_at",)
 
     @admin.display(description="position")
     def position(self, job: Job) -> int | None:

@@ -5,6 +5,7 @@ import mimetypes
 import uuid
 from typing import Any
 
+from django.contrib.auth.models import User
 from django.core.files.storage import default_storage
 from django.http import FileResponse, Http404
 from drf_spectacular.utils import OpenApiParameter, extend_schema
@@ -21,6 +22,12 @@ from scheduling.models import Job, JobState
 from scheduling.serializers import JobCreateSerializer, JobSerializer
 
 
+def account_of(request: Request) -> User:
+    """The authenticated account (every view here requires one)."""
+    assert isinstance(request.user, User)
+    return request.user
+
+
 class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
     """An account's image-generation jobs; another account's job answers 404."""
 
@@ -30,7 +37,7 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
         state = self.request.query_params.get("state") if self.action == "list" else None
         if state is not None and state not in JobState.values:
             raise InvalidRequest({"state": [f"must be one of {', '.join(JobState.values)}"]})
-        return selectors.jobs_of(account=self.request.user, state=state)
+        return selectors.jobs_of(account=account_of(self.request), state=state)
 
     def get_object(self) -> Job:
         try:  # a malformed id is a missing job, not a 500
@@ -61,7 +68,7 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
         """Submit a job. Without model_id the cheapest model that fits tier, capabilities and params runs it."""
         body = JobCreateSerializer(data=request.data)
         body.is_valid(raise_exception=True)
-        job = services.job_submit(account=request.user, request=body.to_request())
+        job = services.job_submit(account=account_of(request), request=body.to_request())
         self._positions = selectors.positions_of([job])
         return Response(self.get_serializer(job).data, status=status.HTTP_201_CREATED)
 

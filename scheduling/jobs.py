@@ -8,12 +8,14 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 JOB_DISPATCH_DEPTH = 2  # unfinished jobs a worker may hold: it encodes one while it denoises the next
 
 
-@dataclass(frozen=True)
-class QueuedJob:
+class QueuedJob(NamedTuple):
+    """A queued job as the queue sees it (a tuple: 100,000 of them load in milliseconds)."""
+
     job_id: str
     model_id: str
     priority: int

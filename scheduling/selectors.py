@@ -4,14 +4,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from django.contrib.auth.models import AbstractBaseUser
+from django.contrib.auth.models import User
 from django.db.models import QuerySet
 
 from scheduling.models import Job, JobState
 from scheduling.services import dispatcher
 
 
-def jobs_of(*, account: AbstractBaseUser, state: str | None = None) -> QuerySet[Job]:
+def jobs_of(*, account: User, state: str | None = None) -> QuerySet[Job]:
     """An account's jobs, newest first."""
     jobs = Job.objects.filter(account=account).order_by("-created_at", "id")
     return jobs.filter(state=state) if state else jobs

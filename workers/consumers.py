@@ -15,8 +15,14 @@ from django.conf import settings
 from scheduling import services as jobs
 from scheduling.jobs import worker_is_dead
 from workers import services
-from workers.messages import (MessageError, parse_hello, parse_job_failed, parse_job_id, parse_job_progress,
-                              parse_job_result)
+from workers.messages import (
+    MessageError,
+    parse_hello,
+    parse_job_failed,
+    parse_job_id,
+    parse_job_progress,
+    parse_job_result,
+)
 
 log = logging.getLogger(__name__)
 CLOSE_UNAUTHENTICATED = 4001

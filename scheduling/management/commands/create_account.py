@@ -1,4 +1,4 @@
-"""`manage.py create_account NAME [--password P] [--staff]`: makes an account (or finds it); prints its API token last."""
+"""`manage.py create_account NAME [--password P] [--staff]`: makes or finds an account; prints its API token last."""
 from __future__ import annotations
 
 from typing import Any

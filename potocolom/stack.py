@@ -1,0 +1,175 @@
+"""A local stack of real processes, for end-to-end tests and benchmarks: a fresh database, Daphne
+with the contract's command line, `manage.py` commands and `runworker_gpu`.
+
+Only the standard library and the project's own commands: each process runs in its own process
+group and is stopped by its PID.
+"""
+from __future__ import annotations
+
+import contextlib
+import http.client
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.parse
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DAPHNE_OPTIONS = ("--websocket-max-message-size", "16777216", "--websocket-max-frame-size", "16777216")
+CONTRACT_SETTINGS = ("DATABASE_URL", "REDIS_URL", "JOB_DISPATCH_DEPTH", "ACCOUNT_SESSION_LIMIT",
+                     "SESSION_IDLE_SECONDS", "SESSION_SWEEP_SECONDS", "FRAME_BUDGET_MS",
+                     "WORKER_HEARTBEAT_SECONDS", "MEMORY_MODE", "DJANGO_SETTINGS_MODULE")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class Process:
+    """A subprocess in its own process group, logging to a file."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_path: Path) -> None:
+        self.name, self.argv, self.env, self.log_path = name, argv, env, log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.started_at = 0.0
+
+    def start(self) -> Process:
+        with open(self.log_path, "ab") as log:
+            self.started_at = time.monotonic()
+            self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=self.env, stdin=subprocess.DEVNULL, stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+        return self
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, grace: float = 5.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(grace)
+                return
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+
+class Stack:
+    """One API on a fresh database (SQLite by default; a new PostgreSQL database when DATABASE_URL
+    points at PostgreSQL), with REDIS_URL passed on when set."""
+
+    def __init__(self, workdir: Path | None = None, **settings: str) -> None:
+        self.workdir = workdir or Path(tempfile.mkdtemp(prefix="potocolom-stack-"))
+        self.port = free_port()
+        self.processes: list[Process] = []
+        self.database_url, self._drop = self._fresh_database()
+        env = {k: v for k, v in os.environ.items() if k not in CONTRACT_SETTINGS}
+        env.update({"PYTHONUNBUFFERED": "1", "DATABASE_URL": self.database_url,
+                    "MEDIA_ROOT": str(self.workdir / "media"), **settings})
+        if os.environ.get("REDIS_URL"):
+            env["REDIS_URL"] = os.environ["REDIS_URL"]
+        self.env = env
+
+    def _fresh_database(self) -> tuple[str, str | None]:
+        base = os.environ.get("DATABASE_URL", "")
+        if base.startswith(("postgres://", "postgresql://")):
+            name = f"stack_{uuid.uuid4().hex[:12]}"
+            admin = urllib.parse.urlsplit(base)._replace(path="/postgres").geturl()
+            _pg_execute(admin, f'CREATE DATABASE "{name}"')
+            return urllib.parse.urlsplit(base)._replace(path=f"/{name}").geturl(), name
+        return f"sqlite:///{self.workdir / 'db.sqlite3'}", None
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}"
+
+    def manage(self, *args: str, timeout: float = 300) -> str:
+        """Run a management command; its last printed line."""
+        result = subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=self.env, capture_output=True,
+                                text=True, timeout=timeout)
+        if result.returncode != 0:
+            raise RuntimeError(f"manage.py {' '.join(args)} exited {result.returncode}:\n{result.stderr[-3000:]}")
+        lines = [line for line in result.stdout.splitlines() if line.strip()]
+        return lines[-1].strip() if lines else ""
+
+    def prepare(self) -> tuple[str, str]:
+        """Migrate and make an account and a worker token; (account token, worker token)."""
+        self.manage("migrate", "--noinput")
+        return self.manage("create_account", "alice"), self.manage("create_worker_token", "stack")
+
+    def start_api(self, timeout: float = 90) -> Process:
+        argv = [str(Path(sys.executable).parent / "daphne"), "-b", "127.0.0.1", "-p", str(self.port),
+                *DAPHNE_OPTIONS, "potocolom.asgi:application"]
+        api = self.launch(Process("daphne", argv, self.env, self.workdir / "daphne.log"))
+        deadline = time.monotonic() + timeout
+        while not _answers_http(self.port):
+            if not api.running or time.monotonic() > deadline:
+                raise RuntimeError(f"Daphne did not start:\n{api.log()[-3000:]}")
+            time.sleep(0.05)
+        return api
+
+    def start_worker(self, token: str, models_dir: Path, *options: str) -> Process:
+        argv = [sys.executable, "manage.py", "runworker_gpu", "--api", self.ws_url, "--token", token,
+                "--device", "cpu", "--models-dir", str(models_dir), *options]
+        return self.launch(Process("runworker_gpu", argv, self.env, self.workdir / "worker.log"))
+
+    def launch(self, process: Process) -> Process:
+        self.processes.append(process.start())
+        return process
+
+    def close(self) -> None:
+        for process in reversed(self.processes):
+            process.stop()
+        if self._drop:
+            admin = urllib.parse.urlsplit(self.database_url)._replace(path="/postgres").geturl()
+            with contextlib.suppress(Exception):
+                _pg_execute(admin, f'DROP DATABASE IF EXISTS "{self._drop}" WITH (FORCE)')
+
+    def __enter__(self) -> Stack:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@contextlib.contextmanager
+def stack(**settings: str) -> Iterator[Stack]:
+    with Stack(**settings) as running:
+        yield running
+
+
+def _answers_http(port: int) -> bool:
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+        conn.request("GET", "/api/v1/")
+        conn.getresponse().read()
+        conn.close()
+        return True
+    except (OSError, http.client.HTTPException):
+        return False
+
+
+def _pg_execute(url: str, statement: str) -> None:
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(statement.encode())

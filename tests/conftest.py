@@ -1,0 +1,46 @@
+"""Shared fixtures: named accounts, a fresh dispatcher per test (as a restarted API has)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "potocolom.settings")
+
+
+@pytest.fixture(autouse=True)
+def fresh_dispatcher():
+    """Each test starts like a freshly started API process: the queue is rebuilt from the database."""
+    from scheduling.dispatcher import reset_dispatcher
+
+    reset_dispatcher()
+    yield
+    reset_dispatcher()
+
+
+@pytest.fixture(autouse=True)
+def media_in_tmp(settings, tmp_path):
+    settings.MEDIA_ROOT = tmp_path / "media"
+
+
+@pytest.fixture
+def make_account(db):
+    from django.contrib.auth import get_user_model
+    from rest_framework.authtoken.models import Token
+
+    def make(name: str, *, staff: bool = False):
+        account = get_user_model().objects.create_user(username=name, password="pw", is_staff=staff)
+        Token.objects.create(user=account)
+        return account
+
+    return make
+
+
+@pytest.fixture
+def alice(make_account):
+    return make_account("alice")
+
+
+@pytest.fixture
+def bob(make_account):
+    return make_account("bob")
