@@ -1,0 +1,112 @@
+"""The worker's management commands, run as an operator runs them: `python manage.py ...`.
+
+They need no database: the commands skip system and migration checks.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from pathlib import Path
+
+from tests.workers.gpu.fake_api import FakeApi
+from tests.workers.gpu.support import TEST_SECONDS, run_async
+
+PROJECT_DIR = Path(__file__).resolve().parents[3]
+
+
+def command_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("MEMORY_MODE", "MODELS_DIR", "WORKER_TOKEN")}
+    env.update({"HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "DJANGO_SETTINGS_MODULE": "potocolom.settings",
+                "DATABASE_URL": "sqlite:////nonexistent-folder/never-opened.sqlite3"})
+    return env
+
+
+async def manage(*args: str) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "manage.py", *args, cwd=PROJECT_DIR, env=command_env(),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+
+
+def worker_args(fake: FakeApi, models_dir: Path, token: str) -> list[str]:
+    return ["runworker_gpu", "--api", fake.url, "--token", token, "--device", "cpu", "--models-dir",
+            str(models_dir), "--threads", "1", "--worker-id", "command-test:0", "--memory-mode", "full"]
+
+
+def test_it_prints_the_manifest_path_last(tmp_path: Path) -> None:
+    async def body() -> None:
+        target = tmp_path / "relative-dir"
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, str(PROJECT_DIR / "manage.py"), "make_tiny_model", "relative-dir", cwd=tmp_path,
+            env=command_env(), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        stdout, stderr = await process.communicate()
+
+        assert process.returncode == 0, stderr.decode()[-2000:]
+        last = stdout.decode().strip().splitlines()[-1]
+        assert last == str(target / "manifest.json")
+        assert Path(last).is_absolute() and Path(last).is_file()
+        assert (target / "unet" / "diffusion_pytorch_model.safetensors").is_file()
+
+    run_async(body())
+
+
+def test_it_serves_jobs_as_a_command_and_stops_on_sigterm(models_dir: Path) -> None:
+    async def body() -> None:
+        async with FakeApi() as fake:
+            process = await manage(*worker_args(fake, models_dir, "secret"))
+            try:
+                hello = await fake.next_message("hello", timeout=TEST_SECONDS)
+                job_id = await fake.job({"prompt": "a red circle", "width": 64, "height": 64, "steps": 2})
+                result = await fake.next_message("job_result", job_id=job_id)
+            finally:
+                process.send_signal(signal.SIGTERM)
+                _, stderr = await asyncio.wait_for(process.communicate(), TEST_SECONDS)
+
+            assert process.returncode == 0, stderr.decode()[-2000:]
+            assert hello["worker_id"] == "command-test:0"
+            assert [m["model_id"] for m in hello["models"]] == ["tiny-sd"]
+            assert result["images"] and result["rung"] == "full"
+            assert f"job {job_id}" in stderr.decode()  # one log line per job
+
+    run_async(body())
+
+
+def test_it_exits_with_an_error_when_the_token_is_refused(models_dir: Path) -> None:
+    async def body() -> None:
+        async with FakeApi(refuse_token=True) as fake:
+            process = await manage(*worker_args(fake, models_dir, "wrong"))
+            _, stderr = await asyncio.wait_for(process.communicate(), TEST_SECONDS)
+
+        assert process.returncode != 0
+        assert "refused the worker token" in stderr.decode()
+
+    run_async(body())
+
+
+def test_it_exits_with_an_error_for_a_model_that_is_not_installed(models_dir: Path) -> None:
+    async def body() -> None:
+        process = await manage("runworker_gpu", "--api", "ws://127.0.0.1:9", "--token", "t", "--device", "cpu",
+                               "--models-dir", str(models_dir), "--models", "tiny-sd,missing-model")
+        _, stderr = await asyncio.wait_for(process.communicate(), TEST_SECONDS)
+
+        assert process.returncode != 0
+        assert "missing-model" in stderr.decode() and "not installed" in stderr.decode()
+
+    run_async(body())
+
+
+def test_it_leaves_torch_and_diffusers_unimported_until_the_worker_starts() -> None:
+    code = ("import sys\n"
+            "import workers.management.commands.runworker_gpu, workers.management.commands.make_tiny_model\n"
+            "import workers.gpu.client, workers.gpu.main, workers.gpu.models, workers.gpu.tiny\n"
+            "heavy = sorted(m for m in ('torch', 'diffusers', 'transformers') if m in sys.modules)\n"
+            "assert not heavy, heavy\n")
+
+    async def body() -> None:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", code, cwd=PROJECT_DIR, env=command_env(), stderr=asyncio.subprocess.PIPE)
+        _, stderr = await process.communicate()
+        assert process.returncode == 0, stderr.decode()[-2000:]
+
+    run_async(body())

@@ -1,0 +1,385 @@
+"""The worker loop: the worker socket, spoken exactly as PROTOCOL.md ("Worker socket") says.
+
+The client joins `{api}/ws/worker/?token=T`, says hello, and after the welcome heartbeats every
+`heartbeat_seconds`. Jobs go to the denoising thread (jobs.DenoiseLoop), which runs them in order
+while an encoder thread turns finished images into job_result messages. Everything the threads
+produce lands in one outbox, drained by a sender task per connection: what is produced while the
+API is away (job_started, job_result, job_failed) waits there for the next welcome, and jobs keep
+running meanwhile. The connection is retried forever with exponential backoff and jitter; only a
+refused token (close code 4001) ends the worker with an error.
+
+This module imports nothing from the API's Django code: a GPU host runs it with no database.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+import random
+import time
+import urllib.parse
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
+
+from workers.gpu.jobs import DenoiseLoop, Encode, HeldJob, JobTiming, Pipeline, encode_png_b64
+
+log = logging.getLogger(__name__)
+
+WORKER_PATH = "/ws/worker/"
+TOKEN_REFUSED_CODE = 4001
+MAX_MESSAGE_BYTES = 64 * 2**20  # jobs carry init images; be generous on what we accept
+MAX_RESULT_BYTES = 16 * 2**20  # the contract's Daphne message limit: a bigger result could never land
+RECONNECT_INITIAL_SECONDS = 0.5
+RECONNECT_MAX_SECONDS = 10.0
+DEFAULT_HEARTBEAT_SECONDS = 10.0
+OPEN_TIMEOUT_SECONDS = 10.0
+SESSIONS_NOT_SERVED = "realtime sessions are not served by this worker yet"
+FINAL_TYPES = frozenset({"job_result", "job_failed"})
+# Kept across a reconnect; progress and heartbeats of a lost connection are stale, so dropped.
+KEPT_WHILE_DOWN = frozenset({"job_started", "job_result", "job_failed", "session_refused"})
+
+
+class TokenRefused(RuntimeError):
+    """The API refused the worker token (close code 4001): check --token / WORKER_TOKEN."""
+
+    def __init__(self, detail: str = "close code 4001") -> None:
+        super().__init__(f"the API refused the worker token ({detail}); check --token or WORKER_TOKEN")
+
+
+class BadMessage(ValueError):
+    """A message from the API that is missing a field or has one of the wrong type."""
+
+
+class Backoff:
+    """Exponential reconnect delays with jitter: 0.5 s doubling up to 10 s, each +-25 %."""
+
+    def __init__(self, initial: float = RECONNECT_INITIAL_SECONDS, maximum: float = RECONNECT_MAX_SECONDS,
+                 jitter: float = 0.25, rng: random.Random | None = None):
+        self.initial, self.maximum, self.jitter = initial, maximum, jitter
+        self._rng = rng or random.Random()
+        self._next = initial
+
+    def next_delay(self) -> float:
+        delay = self._next
+        self._next = min(self.maximum, self._next * 2)
+        # Jitter spreads the reconnects of many workers after an API restart.
+        return delay * (1 + self._rng.uniform(-self.jitter, self.jitter))
+
+    def reset(self) -> None:
+        self._next = self.initial
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Where the worker connects and what it says about itself."""
+
+    api_url: str  # ws://HOST:PORT (http:// is taken as ws://)
+    token: str
+    worker_id: str
+    gpu: dict[str, Any] | None = None  # {"name", "total_mib", "free_mib"}, None on CPU
+    reconnect_initial_seconds: float = RECONNECT_INITIAL_SECONDS
+    reconnect_max_seconds: float = RECONNECT_MAX_SECONDS
+    max_result_bytes: int = MAX_RESULT_BYTES
+
+
+def worker_socket_url(api_url: str, token: str) -> str:
+    """`{api}/ws/worker/?token=T`; raises ValueError for an address that is not ws:// or wss://."""
+    parts = urllib.parse.urlsplit(api_url.strip())
+    scheme = {"http": "ws", "https": "wss"}.get(parts.scheme, parts.scheme)
+    if scheme not in ("ws", "wss") or not parts.netloc:
+        raise ValueError(f"--api must look like ws://HOST:PORT, got {api_url!r}")
+    path = parts.path.rstrip("/")
+    path = path + "/" if path.endswith(WORKER_PATH.rstrip("/")) else path + WORKER_PATH
+    return urllib.parse.urlunsplit((scheme, parts.netloc, path, urllib.parse.urlencode({"token": token}), ""))
+
+
+@dataclass
+class _Outgoing:
+    """A message waiting in the outbox, already serialized (off the event loop, for big images)."""
+
+    kind: str
+    text: str
+    job: HeldJob | None
+
+
+class WorkerClient:
+    """One GPU worker's connection to the API, its held jobs and its timings.
+
+    `timings` lists a JobTiming per job received, in arrival order (see jobs.denoise_idle_gaps).
+    `encode` is the seam that turns images into job_result strings (tests slow it down).
+    """
+
+    def __init__(self, config: WorkerConfig, pipelines: Mapping[str, Pipeline], *,
+                 encode: Encode = encode_png_b64, clock: Callable[[], float] = time.monotonic):
+        self.config = config
+        self.url = worker_socket_url(config.api_url, config.token)
+        self.pipelines = dict(pipelines)
+        self.timings: list[JobTiming] = []
+        self.welcome: dict[str, Any] | None = None  # the latest welcome
+        self.welcomes = 0  # how many connections got as far as a welcome
+        self._clock = clock
+        self._backoff = Backoff(config.reconnect_initial_seconds, config.reconnect_max_seconds)
+        self._held: dict[str, HeldJob] = {}
+        self._outbox: collections.deque[_Outgoing] = collections.deque()
+        self._denoiser = DenoiseLoop(self.pipelines, self._post, self._release_threadsafe,
+                                     encode=encode, clock=clock)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._outbox_ready: asyncio.Event | None = None
+        self._stopped: asyncio.Event | None = None
+        self._stop_requested = False
+        self._ws: ClientConnection | None = None
+        self._welcomed_ws: ClientConnection | None = None  # the connection that got its welcome
+        self._closing: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._handlers: dict[str, Callable[[dict[str, Any]], None]] = {
+            "welcome": self._on_welcome, "job": self._on_job, "cancel": self._on_cancel,
+            "session_start": self._on_session_start, "session_end": self._on_session_message,
+            "frame": self._on_session_message,
+        }
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    def hello_message(self) -> dict[str, Any]:
+        """The first message of every connection: who we are and what we serve, on which rung."""
+        models = [{"model_id": model_id, "rung": pipeline.rung, "realtime": False, "frame_ms_p95": None,
+                   "realtime_slots": 0} for model_id, pipeline in self.pipelines.items()]
+        return {"type": "hello", "worker_id": self.config.worker_id, "gpu": self.config.gpu, "models": models}
+
+    async def run(self) -> None:
+        """Serve until stop(), reconnecting forever; raises TokenRefused on close code 4001."""
+        self._loop = asyncio.get_running_loop()
+        self._outbox_ready = asyncio.Event()
+        self._stopped = asyncio.Event()
+        if self._stop_requested:
+            return
+        self._denoiser.start()
+        try:
+            while not self._stopped.is_set():
+                await self._connect_once()
+                if self._stopped.is_set():
+                    break
+                delay = self._backoff.next_delay()
+                log.info("reconnecting to %s in %.1f s", self.config.api_url, delay)
+                try:
+                    await asyncio.wait_for(self._stopped.wait(), delay)
+                except TimeoutError:
+                    pass
+        finally:
+            await asyncio.to_thread(self._denoiser.stop)
+            log.info("worker %s stopped", self.config.worker_id)
+
+    def stop(self) -> None:
+        """Stop at once (signal handlers call this): interrupt the running job, close the socket."""
+        self._stop_requested = True
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._begin_stop)
+
+    def _begin_stop(self) -> None:
+        assert self._stopped is not None
+        self._stopped.set()
+        if self._ws is not None:
+            self._closing = asyncio.ensure_future(self._ws.close())
+
+    async def _connect_once(self) -> None:
+        """One connection, from the handshake until it closes; errors other than a refused token
+        are logged (the caller retries)."""
+        try:
+            async with connect(self.url, max_size=MAX_MESSAGE_BYTES, compression=None,
+                               open_timeout=OPEN_TIMEOUT_SECONDS, close_timeout=2) as ws:
+                await self._serve(ws)
+        except InvalidStatus as exc:
+            if exc.response.status_code in (401, 403):
+                raise TokenRefused(f"HTTP {exc.response.status_code}") from exc
+            log.warning("the API at %s rejected the handshake: %s", self.config.api_url, exc)
+        except (OSError, TimeoutError, InvalidHandshake) as exc:
+            log.warning("cannot reach the API at %s: %s", self.config.api_url, exc or type(exc).__name__)
+
+    async def _serve(self, ws: ClientConnection) -> None:
+        """Say hello, then handle messages until the socket closes."""
+        assert self._stopped is not None
+        if self._stopped.is_set():
+            return
+        self._ws = ws
+        try:
+            await ws.send(json.dumps(self.hello_message()))
+            async for raw in ws:
+                self._handle(raw)
+        except ConnectionClosed:
+            pass
+        finally:
+            self._ws = self._welcomed_ws = None
+            tasks, self._tasks = self._tasks, []
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        if ws.close_code == TOKEN_REFUSED_CODE:
+            raise TokenRefused()
+        if not self._stopped.is_set():
+            log.warning("connection to the API closed (code %s); %d job(s) held, %d message(s) waiting",
+                        ws.close_code, len(self._held), len(self._outbox))
+
+    # --- incoming -----------------------------------------------------------------------------
+
+    def _handle(self, raw: str | bytes) -> None:
+        """Dispatch one message; a bad or unknown one is logged, never fatal."""
+        try:
+            message = json.loads(raw)
+        except ValueError:
+            log.warning("ignoring a message that is not JSON: %.200r", raw)
+            return
+        if not isinstance(message, dict):
+            log.warning("ignoring a message that is not a JSON object: %.200r", raw)
+            return
+        kind = message.get("type")
+        handler = self._handlers.get(kind) if isinstance(kind, str) else None
+        if handler is None:
+            log.warning("ignoring a message of unknown type %.100r", message.get("type"))
+            return
+        try:
+            handler(message)
+        except BadMessage as exc:
+            log.warning("ignoring a bad %s message: %s", message["type"], exc)
+        except Exception:
+            log.exception("error handling a %s message", message["type"])
+
+    def _on_welcome(self, message: dict[str, Any]) -> None:
+        period = message.get("heartbeat_seconds")
+        if isinstance(period, bool) or not isinstance(period, (int, float)) or period <= 0:
+            log.warning("welcome without a usable heartbeat_seconds (%r); using %s", period,
+                        DEFAULT_HEARTBEAT_SECONDS)
+            period = DEFAULT_HEARTBEAT_SECONDS
+        unknown = message.get("unknown_models") or []
+        if unknown:
+            log.warning("the API does not know these models, so routes nothing of them here: %s", unknown)
+        self.welcome = message
+        if self._ws is None or self._welcomed_ws is self._ws:
+            return  # a repeated welcome on this connection changes nothing we run
+        self._welcomed_ws = self._ws
+        self.welcomes += 1
+        self._backoff.reset()
+        log.info("welcomed by %s as %s (heartbeat every %s s)", self.config.api_url, self.config.worker_id, period)
+        self._outbox = collections.deque(out for out in self._outbox if out.kind in KEPT_WHILE_DOWN)
+        assert self._outbox_ready is not None
+        self._tasks.append(asyncio.create_task(self._send_outbox(self._ws), name="outbox"))
+        self._tasks.append(asyncio.create_task(self._heartbeat(float(period)), name="heartbeat"))
+        self._outbox_ready.set()
+
+    def _on_job(self, message: dict[str, Any]) -> None:
+        job_id, model_id = _text_field(message, "job_id"), _text_field(message, "model_id")
+        if job_id in self._held:
+            log.info("job %s is already held; ignoring the duplicate", job_id)
+            return
+        timing = JobTiming(job_id=job_id, model_id=model_id, received=self._clock())
+        job = HeldJob(job_id=job_id, model_id=model_id, params=message.get("params", {}), timing=timing)
+        self.timings.append(timing)
+        self._held[job_id] = job
+        self._denoiser.submit(job)
+        log.info("job %s (%s, attempt %s) received; holding %d", job_id, model_id, message.get("attempt"),
+                 len(self._held))
+
+    def _on_cancel(self, message: dict[str, Any]) -> None:
+        job_id = _text_field(message, "job_id")
+        job = self._held.get(job_id)
+        if job is None:
+            log.info("cancel for job %s, which this worker does not hold", job_id)
+            return
+        job.cancel()  # a waiting job is dropped, the running one interrupted at its next step
+        log.info("job %s cancelled", job_id)
+
+    def _on_session_start(self, message: dict[str, Any]) -> None:
+        session_id = _text_field(message, "session_id")
+        self._enqueue(_Outgoing("session_refused", json.dumps(
+            {"type": "session_refused", "session_id": session_id, "reason": SESSIONS_NOT_SERVED}), None))
+
+    def _on_session_message(self, message: dict[str, Any]) -> None:
+        log.debug("ignoring %s for session %s, which this worker does not serve",
+                  message.get("type"), message.get("session_id"))
+
+    # --- outgoing -----------------------------------------------------------------------------
+
+    def _post(self, message: dict[str, Any], job: HeldJob | None) -> None:
+        """From any thread: queue a message for the API (serialized here, off the event loop)."""
+        kind, text = message["type"], json.dumps(message)
+        if kind == "job_result" and len(text) > self.config.max_result_bytes:
+            # Sent, it would be refused and retried forever: report it instead.
+            kind, text = "job_failed", json.dumps({
+                "type": "job_failed", "job_id": message["job_id"],
+                "error": f"result of {len(text)} bytes is over the {self.config.max_result_bytes}-byte limit"})
+        self._call_soon(self._enqueue, _Outgoing(kind, text, job))
+
+    def _call_soon(self, callback: Callable[..., None], *args: Any) -> None:
+        if self._loop is None:
+            return
+        try:
+            self._loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:  # the loop has closed: the worker stopped
+            pass
+
+    def _enqueue(self, out: _Outgoing) -> None:
+        live = self._ws is not None and self._welcomed_ws is self._ws
+        if out.kind not in KEPT_WHILE_DOWN and not live:
+            return  # progress and heartbeats only mean something on a live connection
+        if out.job is not None and out.job.cancelled:
+            self._release(out.job)  # nothing is sent for a cancelled job
+            return
+        self._outbox.append(out)
+        if self._outbox_ready is not None:
+            self._outbox_ready.set()
+
+    async def _send_outbox(self, ws: ClientConnection) -> None:
+        """Send queued messages in order; a message leaves the outbox only once it was sent."""
+        try:
+            await self._drain_outbox(ws)
+        except ConnectionClosed:
+            pass  # the receive loop sees the close too, and the messages stay for the next welcome
+        except Exception:
+            log.exception("the outbox sender failed; reconnecting")
+            await ws.close(1011, "worker error")
+
+    async def _drain_outbox(self, ws: ClientConnection) -> None:
+        assert self._outbox_ready is not None
+        while True:
+            await self._outbox_ready.wait()
+            self._outbox_ready.clear()
+            while self._outbox:
+                out = self._outbox[0]
+                if out.job is not None and out.job.cancelled:
+                    self._outbox.popleft()
+                    self._release(out.job)
+                    continue
+                await ws.send(out.text)
+                self._outbox.popleft()
+                if out.kind in FINAL_TYPES and out.job is not None:
+                    self._finished(out.job, "succeeded" if out.kind == "job_result" else "failed")
+
+    async def _heartbeat(self, period: float) -> None:
+        text = json.dumps({"type": "heartbeat"})
+        while True:
+            await asyncio.sleep(period)
+            self._enqueue(_Outgoing("heartbeat", text, None))
+
+    def _finished(self, job: HeldJob, outcome: str) -> None:
+        job.timing.sent = self._clock()
+        job.timing.outcome = outcome
+        self._release(job)
+        log.info("%s", job.timing.summary())
+
+    def _release(self, job: HeldJob) -> None:
+        """The job is done with: a new job with its id would be a new job."""
+        if self._held.get(job.job_id) is job:
+            del self._held[job.job_id]
+
+    def _release_threadsafe(self, job: HeldJob) -> None:
+        self._call_soon(self._release, job)
+
+
+def _text_field(message: dict[str, Any], name: str) -> str:
+    value = message.get(name)
+    if not isinstance(value, str) or not value:
+        raise BadMessage(f"{name} must be a non-empty string, got {value!r}")
+    return value

@@ -1,0 +1,217 @@
+"""Held jobs, the denoising thread and the encoder behind it.
+
+One thread denoises the held jobs in the order they arrived. It hands each job's images to a
+separate encoder thread (PNG, base64, the job_result message) and starts the next held job at once,
+so the denoising loop never waits on encoding or on the socket. Both threads talk to the socket
+side only through two thread-safe callables: `post` (a message to send) and `release` (a job is
+done with, one way or another).
+"""
+from __future__ import annotations
+
+import base64
+import io
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from workers.gpu.pipelines import JobCancelled, OnStep, ShouldStop
+
+if TYPE_CHECKING:
+    from PIL.Image import Image
+
+log = logging.getLogger(__name__)
+
+ERROR_CHARS = 500  # job_failed.error is a short message, not a traceback
+JOIN_SECONDS = 30.0  # how long stop() waits for an interrupted step to return
+
+
+class Pipeline(Protocol):
+    """What the denoising thread needs of a loaded model (pipelines.DiffusersPipeline)."""
+
+    rung: str
+
+    def generate(self, params: Any, *, on_step: OnStep | None = None,
+                 should_stop: ShouldStop | None = None) -> list[Image]: ...
+
+
+@dataclass
+class JobTiming:
+    """Monotonic timestamps (seconds) of one job, for logs and benchmarks.
+
+    outcome: "held" until the job ends as "succeeded", "failed" or "cancelled".
+    """
+
+    job_id: str
+    model_id: str
+    received: float
+    denoise_start: float | None = None
+    denoise_end: float | None = None
+    encode_start: float | None = None
+    encode_end: float | None = None
+    sent: float | None = None
+    outcome: str = "held"
+
+    def summary(self) -> str:
+        """One log line: where the job's time went, in milliseconds."""
+        def ms(start: float | None, end: float | None) -> str:
+            return "-" if start is None or end is None else f"{(end - start) * 1000:.0f}"
+        return (f"job {self.job_id} ({self.model_id}) {self.outcome}: waited "
+                f"{ms(self.received, self.denoise_start)} ms, denoised {ms(self.denoise_start, self.denoise_end)} ms, "
+                f"encoded {ms(self.encode_start, self.encode_end)} ms, sent "
+                f"{ms(self.encode_end, self.sent)} ms after encoding, {ms(self.received, self.sent)} ms in all")
+
+
+def denoise_idle_gaps(timings: Sequence[JobTiming]) -> list[float]:
+    """Seconds the denoising loop sat idle between back-to-back jobs.
+
+    For each job that was already held when the job before it finished denoising, the time from
+    that end to its own denoising start. Zero-ish gaps mean encoding and upload never held it up.
+    """
+    ran = sorted((t for t in timings if t.denoise_start is not None and t.denoise_end is not None),
+                 key=lambda t: t.denoise_start or 0.0)
+    return [after.denoise_start - before.denoise_end  # type: ignore[operator]
+            for before, after in zip(ran, ran[1:], strict=False)
+            if after.received <= before.denoise_end]  # type: ignore[operator]
+
+
+@dataclass(eq=False)
+class HeldJob:
+    """A job this worker holds, from its `job` message until it is released."""
+
+    job_id: str
+    model_id: str
+    params: Any
+    timing: JobTiming
+    _cancelled: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+        self.timing.outcome = "cancelled"
+
+
+def encode_png_b64(images: Sequence[Image]) -> list[str]:
+    """Each image as base64 PNG (what job_result.images carries)."""
+    encoded = []
+    for image in images:
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        encoded.append(base64.b64encode(buffer.getvalue()).decode("ascii"))
+    return encoded
+
+
+def short_error(exc: BaseException) -> str:
+    """A short, single-line message for job_failed."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= ERROR_CHARS else text[:ERROR_CHARS] + "..."
+
+
+Post = Callable[[dict[str, Any], "HeldJob | None"], None]
+Release = Callable[[HeldJob], None]
+Encode = Callable[[Sequence["Image"]], list[str]]
+
+
+class DenoiseLoop:
+    """The single denoising thread and the encoder it hands results to."""
+
+    def __init__(self, pipelines: Mapping[str, Pipeline], post: Post, release: Release, *,
+                 encode: Encode = encode_png_b64, clock: Callable[[], float] = time.monotonic):
+        self._pipelines = pipelines
+        self._post = post
+        self._release = release
+        self._encode = encode
+        self._clock = clock
+        self._jobs: queue.Queue[HeldJob | None] = queue.Queue()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="denoise", daemon=True)
+        # One encoder thread: results leave in the order their jobs were denoised.
+        self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="encode")
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: HeldJob) -> None:
+        """Queue a held job behind the ones already held."""
+        self._jobs.put(job)
+
+    def stop(self, timeout: float = JOIN_SECONDS) -> None:
+        """Interrupt the running job at its next step, drop the rest, and wait for the thread."""
+        self._stopping.set()
+        self._jobs.put(None)
+        self._encoder.shutdown(wait=False, cancel_futures=True)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None or self._stopping.is_set():
+                return
+            if job.cancelled:
+                self._release(job)
+                continue
+            try:
+                self._denoise(job)
+            except Exception:  # never let one job end the loop
+                log.exception("job %s: unexpected error in the denoising loop", job.job_id)
+
+    def _denoise(self, job: HeldJob) -> None:
+        pipeline = self._pipelines.get(job.model_id)
+        if pipeline is None:
+            self._fail(job, f"model {job.model_id!r} is not served by this worker")
+            return
+        timing = job.timing
+        timing.denoise_start = self._clock()  # before job_started: whoever sees that message sees this
+        self._post({"type": "job_started", "job_id": job.job_id}, job)
+
+        def on_step(step: int, steps: int) -> None:
+            self._post({"type": "job_progress", "job_id": job.job_id, "step": step, "steps": steps}, job)
+
+        try:
+            images = pipeline.generate(job.params, on_step=on_step,
+                                       should_stop=lambda: job.cancelled or self._stopping.is_set())
+        except JobCancelled:
+            timing.denoise_end = self._clock()
+            timing.outcome = "cancelled"
+            log.info("job %s cancelled while denoising", job.job_id)
+            self._release(job)
+            return
+        except Exception as exc:
+            timing.denoise_end = self._clock()
+            log.warning("job %s failed: %s", job.job_id, short_error(exc))
+            self._fail(job, short_error(exc))
+            return
+        timing.denoise_end = self._clock()
+        gpu_ms = (timing.denoise_end - timing.denoise_start) * 1000
+        try:
+            self._encoder.submit(self._encode_result, job, images, gpu_ms, pipeline.rung)
+        except RuntimeError:  # the encoder was shut down: the worker is stopping
+            log.info("job %s dropped: the worker is stopping", job.job_id)
+
+    def _encode_result(self, job: HeldJob, images: list[Image], gpu_ms: float, rung: str) -> None:
+        """On the encoder thread: PNG + base64, then job_result (nothing for a cancelled job)."""
+        if job.cancelled:
+            self._release(job)
+            return
+        job.timing.encode_start = self._clock()
+        try:
+            encoded = self._encode(images)
+        except Exception as exc:
+            job.timing.encode_end = self._clock()
+            log.warning("job %s: encoding failed: %s", job.job_id, short_error(exc))
+            self._fail(job, f"encoding failed: {short_error(exc)}")
+            return
+        job.timing.encode_end = self._clock()
+        self._post({"type": "job_result", "job_id": job.job_id, "images": encoded,
+                    "gpu_ms": round(gpu_ms, 1), "rung": rung}, job)
+
+    def _fail(self, job: HeldJob, error: str) -> None:
+        self._post({"type": "job_failed", "job_id": job.job_id, "error": error}, job)

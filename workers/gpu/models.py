@@ -1,0 +1,126 @@
+"""The models installed on this GPU host: every `MODELS_DIR/*/manifest.json`.
+
+A model is installed when its folder, holding `manifest.json` and the weights its `source` names,
+sits in the models dir (PROTOCOL.md, "Model manifest"). A manifest file holds one object or a list
+of them. Plain data, no Django: the worker program runs on hosts without the API's code paths.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+MANIFEST_NAME = "manifest.json"
+TIERS = ("draft", "standard", "premium")
+_REQUIRED = ("model_id", "pipeline", "source")
+
+
+class ManifestError(ValueError):
+    """A manifest file that cannot be read or does not describe a model."""
+
+
+class UnknownModelError(ValueError):
+    """--models names a model that is not installed in the models dir."""
+
+
+@dataclass(frozen=True)
+class InstalledModel:
+    """One manifest entry, with `source` resolved against the manifest's folder."""
+
+    model_id: str
+    pipeline: str  # a diffusers pipeline class name, e.g. "StableDiffusionPipeline"
+    source: str  # an absolute folder, or a hub id when no such folder exists
+    manifest_path: Path
+    tier: str = "draft"
+    cost: float = 1.0
+    capabilities: tuple[str, ...] = ("txt2img",)
+    params_schema: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def source_is_local(self) -> bool:
+        return Path(self.source).is_dir()
+
+
+def _resolve_source(manifest_path: Path, source: str) -> str:
+    """A folder relative to the manifest file (or absolute) when it exists; else the raw hub id."""
+    candidate = Path(source).expanduser()
+    if not candidate.is_absolute():
+        candidate = manifest_path.parent / candidate
+    if candidate.is_dir() or Path(source).is_absolute() or source.startswith("."):
+        return str(candidate.resolve())
+    return source
+
+
+def _entry(manifest_path: Path, raw: Any, index: int) -> InstalledModel:
+    where = f"{manifest_path} (entry {index})"
+    if not isinstance(raw, dict):
+        raise ManifestError(f"{where}: a manifest must be a JSON object, got {type(raw).__name__}")
+    missing = [key for key in _REQUIRED if not isinstance(raw.get(key), str) or not raw.get(key)]
+    if missing:
+        raise ManifestError(f"{where}: missing or empty string field(s): {', '.join(missing)}")
+    capabilities = raw.get("capabilities", ["txt2img"])
+    if not isinstance(capabilities, list) or not all(isinstance(c, str) for c in capabilities):
+        raise ManifestError(f"{where}: capabilities must be a list of strings")
+    schema = raw.get("params_schema", {})
+    if not isinstance(schema, dict):
+        raise ManifestError(f"{where}: params_schema must be a JSON object")
+    tier = raw.get("tier", "draft")
+    if tier not in TIERS:
+        raise ManifestError(f"{where}: tier must be one of {', '.join(TIERS)}, got {tier!r}")
+    cost = raw.get("cost", 1.0)
+    if isinstance(cost, bool) or not isinstance(cost, (int, float)):
+        raise ManifestError(f"{where}: cost must be a number, got {cost!r}")
+    return InstalledModel(
+        model_id=raw["model_id"], pipeline=raw["pipeline"],
+        source=_resolve_source(manifest_path, raw["source"]), manifest_path=manifest_path,
+        tier=tier, cost=float(cost), capabilities=tuple(capabilities), params_schema=schema)
+
+
+def read_manifest(path: str | Path) -> list[InstalledModel]:
+    """The models one manifest file describes (an object or a list of objects)."""
+    manifest_path = Path(path).resolve()
+    try:
+        data = json.loads(manifest_path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ManifestError(f"{manifest_path}: cannot read: {exc}") from exc
+    except ValueError as exc:
+        raise ManifestError(f"{manifest_path}: not valid JSON: {exc}") from exc
+    entries = data if isinstance(data, list) else [data]
+    return [_entry(manifest_path, raw, index) for index, raw in enumerate(entries)]
+
+
+def parse_model_ids(text: str | None) -> list[str] | None:
+    """`--models a,b` as ["a", "b"]; None (serve everything) when not given or blank."""
+    if text is None:
+        return None
+    ids = [part.strip() for part in text.split(",") if part.strip()]
+    return ids or None
+
+
+def discover_models(models_dir: str | Path, only: Iterable[str] | None = None) -> list[InstalledModel]:
+    """The installed models, sorted by model_id; `only` (from --models) narrows them.
+
+    Raises ManifestError for a bad manifest or a model_id installed twice, and UnknownModelError
+    when `only` names a model that is not installed.
+    """
+    root = Path(models_dir).expanduser()
+    if not root.is_dir():
+        raise ManifestError(f"the models dir {root} does not exist or is not a folder")
+    found: dict[str, InstalledModel] = {}
+    for manifest_path in sorted(root.glob(f"*/{MANIFEST_NAME}")):
+        for model in read_manifest(manifest_path):
+            if model.model_id in found:
+                raise ManifestError(f"model {model.model_id!r} is installed twice: in "
+                                    f"{found[model.model_id].manifest_path} and {model.manifest_path}")
+            found[model.model_id] = model
+    if only is None:
+        return [found[key] for key in sorted(found)]
+    wanted = list(dict.fromkeys(only))
+    unknown = [model_id for model_id in wanted if model_id not in found]
+    if unknown:
+        installed = ", ".join(sorted(found)) or "none"
+        raise UnknownModelError(f"--models names model(s) not installed in {root}: {', '.join(unknown)} "
+                                f"(installed: {installed})")
+    return [found[model_id] for model_id in sorted(wanted)]

@@ -1,0 +1,302 @@
+"""The Stable-Diffusion-style pipeline adapter: real diffusers pipelines, loaded with `from_pretrained`.
+
+One adapter, "simple over easy" (diffusers' own rule): `check_inputs` turns a job's params into a
+checked `GenerationRequest` or fails loudly, and `generate` runs numbered steps. Progress and
+cancellation go through the pipeline's `callback_on_step_end` and `interrupt`.
+
+torch and diffusers are imported lazily, inside the worker program only: the API process imports
+nothing from here.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import io
+import logging
+import os
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from workers.gpu.models import InstalledModel
+
+if TYPE_CHECKING:
+    from PIL.Image import Image
+
+log = logging.getLogger(__name__)
+
+DEFAULT_STEPS = 20
+DEFAULT_GUIDANCE_SCALE = 7.5
+DEFAULT_STRENGTH = 0.8  # diffusers' img2img default
+MAX_SEED = 2**32 - 1
+MAX_STEPS = 1000  # the scheduler's training steps; a model's params_schema narrows this
+SIZE_MULTIPLE = 8  # diffusers' Stable Diffusion pipelines reject sizes that are not multiples of 8
+RUNG_FULL = "full"
+_MESSAGE_CHARS = 300  # error messages travel in job_failed; an echoed init_image must not
+
+OnStep = Callable[[int, int], None]
+ShouldStop = Callable[[], bool]
+
+
+class InvalidParams(ValueError):
+    """A job's params that this pipeline cannot run."""
+
+
+class JobCancelled(Exception):
+    """The job was interrupted on request; nothing is to be sent for it."""
+
+
+class PipelineLoadError(RuntimeError):
+    """A model's pipeline could not be loaded from its source."""
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A job's params after `check_inputs`, with the defaults filled in."""
+
+    prompt: str
+    negative_prompt: str | None
+    width: int
+    height: int
+    steps: int
+    guidance_scale: float
+    seed: int
+    strength: float
+    init_image: Image | None  # already resized to width x height; None means txt2img
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= _MESSAGE_CHARS else text[:_MESSAGE_CHARS] + "..."
+
+
+def _integer(params: dict[str, Any], key: str, default: int, low: int, high: int) -> int:
+    value = params.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidParams(f"{key} must be an integer, got {_short(repr(value))}")
+    if not low <= value <= high:
+        raise InvalidParams(f"{key} must be between {low} and {high}, got {value}")
+    return value
+
+
+def _number(params: dict[str, Any], key: str, default: float, low: float, high: float | None) -> float:
+    value = params.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidParams(f"{key} must be a number, got {_short(repr(value))}")
+    if value < low or (high is not None and value > high):
+        raise InvalidParams(f"{key} must be between {low} and {high if high is not None else 'any'}, got {value}")
+    return float(value)
+
+
+def _text(params: dict[str, Any], key: str, *, required: bool) -> str | None:
+    value = params.get(key)
+    if value is None and not required:
+        return None
+    if not isinstance(value, str):
+        raise InvalidParams(f"{key} must be a string, got {_short(repr(value))}")
+    return value
+
+
+def decode_image(value: Any) -> Image:
+    """An RGB PIL image from base64 (PNG, JPEG...) with or without a `data:` URL prefix."""
+    from PIL import Image as PILImage
+    from PIL import UnidentifiedImageError
+
+    if not isinstance(value, str):
+        raise InvalidParams(f"init_image must be a base64 string, got {type(value).__name__}")
+    payload = value.partition(",")[2] if value.startswith("data:") else value
+    try:
+        data = base64.b64decode(payload, validate=True)
+        with PILImage.open(io.BytesIO(data)) as opened:
+            return opened.convert("RGB")
+    except (binascii.Error, ValueError, UnidentifiedImageError, OSError) as exc:
+        raise InvalidParams(f"init_image is not a base64 image: {_short(str(exc))}") from None
+
+
+def check_schema(schema: dict[str, Any], params: Any) -> None:
+    """Validate params against the manifest's params_schema (JSON Schema) with a short message."""
+    if not schema:
+        return
+    from jsonschema import exceptions, validators
+
+    validator_class = validators.validator_for(schema)
+    error = exceptions.best_match(validator_class(schema).iter_errors(params))
+    if error is not None:
+        where = "/".join(str(part) for part in error.absolute_path) or "params"
+        raise InvalidParams(f"{where}: {_short(error.message)}")
+
+
+def place(pipe: Any, device: str, rung: str = RUNG_FULL) -> str:
+    """Put the pipeline's modules where `rung` says, on `device`; return the rung it runs on.
+
+    Only full residency exists for now; the memory ladder (model/group offload) lands here.
+    """
+    if rung != RUNG_FULL:
+        raise NotImplementedError(f"rung {rung!r} is not implemented yet; only {RUNG_FULL!r}")
+    pipe.to(device)
+    return rung
+
+
+@contextlib.contextmanager
+def _quiet(logger_name: str) -> Iterator[None]:
+    """Hold back one logger's warnings for the duration."""
+    logger = logging.getLogger(logger_name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def img2img_class(pipe: Any) -> Any:
+    """StableDiffusionImg2ImgPipeline for Stable Diffusion; diffusers' AutoPipeline mapping for
+    the rest (it imports every pipeline family, about a second, so only when needed)."""
+    import diffusers
+
+    if isinstance(pipe, diffusers.StableDiffusionPipeline):
+        return diffusers.StableDiffusionImg2ImgPipeline
+    return diffusers.AutoPipelineForImage2Image
+
+
+def torch_dtype_for(device: str) -> Any:
+    """float16 on CUDA (how Stable Diffusion is served), float32 on CPU (no fast half kernels)."""
+    import torch
+
+    return torch.float16 if device.startswith("cuda") else torch.float32
+
+
+class DiffusersPipeline:
+    """A loaded Stable-Diffusion-style pipeline (txt2img, plus img2img sharing its modules)."""
+
+    def __init__(self, model: InstalledModel, pipe: Any, img2img: Any | None, device: str, rung: str):
+        self.model = model
+        self.pipe = pipe
+        self.img2img = img2img
+        self.device = device
+        self.rung = rung
+
+    @classmethod
+    def load(cls, model: InstalledModel, device: str) -> DiffusersPipeline:
+        """`<manifest.pipeline>.from_pretrained(source)` on `device`; img2img through `from_pipe`."""
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # weights are installed, never downloaded
+        import diffusers
+
+        pipeline_class = getattr(diffusers, model.pipeline, None)
+        if pipeline_class is None or not hasattr(pipeline_class, "from_pretrained"):
+            raise PipelineLoadError(f"model {model.model_id}: diffusers has no pipeline {model.pipeline!r}")
+        try:
+            pipe = pipeline_class.from_pretrained(model.source, dtype=torch_dtype_for(device))
+        except (OSError, ValueError) as exc:
+            raise PipelineLoadError(f"model {model.model_id}: cannot load {model.source}: {exc}") from exc
+        pipe.set_progress_bar_config(disable=True)
+        rung = place(pipe, device)
+        img2img = None
+        if "img2img" in model.capabilities:
+            # from_pipe shares the loaded modules: no second copy of the weights. Its dtype cast
+            # warns that "[]" modules should stay float32 (a diffusers quirk): nothing to say.
+            with _quiet("diffusers.models.modeling_utils"):
+                img2img = img2img_class(pipe).from_pipe(pipe)
+            img2img.set_progress_bar_config(disable=True)
+        return cls(model, pipe, img2img, device, rung)
+
+    @property
+    def default_size(self) -> int:
+        """The pipeline's own default width and height: UNet sample size times the VAE's scale."""
+        return int(self.pipe.unet.config.sample_size * self.pipe.vae_scale_factor)
+
+    def check_inputs(self, params: Any) -> GenerationRequest:
+        """Validate a job's params against the manifest schema and what the pipeline can run."""
+        if not isinstance(params, dict):
+            raise InvalidParams(f"params must be a JSON object, got {type(params).__name__}")
+        check_schema(self.model.params_schema, params)
+        prompt = _text(params, "prompt", required=True)
+        assert prompt is not None
+        negative_prompt = _text(params, "negative_prompt", required=False)
+        width = _integer(params, "width", self.default_size, SIZE_MULTIPLE, 8192)
+        height = _integer(params, "height", self.default_size, SIZE_MULTIPLE, 8192)
+        for key, size in (("width", width), ("height", height)):
+            if size % SIZE_MULTIPLE:
+                raise InvalidParams(f"{key} must be a multiple of {SIZE_MULTIPLE}, got {size}")
+        steps = _integer(params, "steps", DEFAULT_STEPS, 1, MAX_STEPS)
+        guidance_scale = _number(params, "guidance_scale", DEFAULT_GUIDANCE_SCALE, 0.0, None)
+        seed = _integer(params, "seed", random.randint(0, MAX_SEED), 0, MAX_SEED)
+        strength = _number(params, "strength", DEFAULT_STRENGTH, 0.0, 1.0)
+        init_image = None
+        if params.get("init_image") is not None:
+            if self.img2img is None:
+                raise InvalidParams(f"model {self.model.model_id} does not do img2img (init_image given)")
+            if int(steps * strength) < 1:
+                raise InvalidParams(f"img2img runs int(steps x strength) steps: {steps} x {strength} is none")
+            init_image = decode_image(params["init_image"])
+            if init_image.size != (width, height):
+                init_image = init_image.resize((width, height), resample=3)  # 3: bicubic
+        return GenerationRequest(prompt=prompt, negative_prompt=negative_prompt, width=width, height=height,
+                                 steps=steps, guidance_scale=guidance_scale, seed=seed, strength=strength,
+                                 init_image=init_image)
+
+    def generate(self, params: Any, *, on_step: OnStep | None = None,
+                 should_stop: ShouldStop | None = None) -> list[Image]:
+        """Run one job; return its images, each exactly width x height.
+
+        A seeded txt2img job is exactly this diffusers call (defaults: steps 20, guidance 7.5,
+        width and height `default_size`, negative_prompt None):
+
+            pipe(prompt=prompt, negative_prompt=negative_prompt, height=height, width=width,
+                 num_inference_steps=steps, guidance_scale=guidance_scale,
+                 generator=torch.Generator("cpu").manual_seed(seed)).images
+
+        with `pipe = StableDiffusionPipeline.from_pretrained(source)` on CPU (float32). On CUDA the
+        worker loads with `dtype=torch.float16` and `pipe.to(device)`; compare against that. An img2img
+        job (init_image given) is `img2img(prompt=..., negative_prompt=..., image=init_image,
+        strength=strength (default 0.8), num_inference_steps=steps, guidance_scale=...,
+        generator=...)` with `img2img = StableDiffusionImg2ImgPipeline.from_pipe(pipe)` and the
+        init image resized to width x height (bicubic).
+        The step callback changes nothing in the latents, so the pixels are the same.
+
+        on_step(step, steps) is called after each denoising step (1-based); when should_stop()
+        turns true the pipeline is interrupted and JobCancelled is raised.
+        """
+        import torch
+
+        # 1. Check the params and fill in the defaults.
+        request = self.check_inputs(params)
+        # 2. A CPU generator: the same seed gives the same noise on any device.
+        generator = torch.Generator("cpu").manual_seed(request.seed)
+        interrupted = False
+
+        # 3. Report each step, and interrupt between steps when asked to stop.
+        def step_end(pipe: Any, index: int, timestep: Any, callback_kwargs: dict[str, Any]) -> dict[str, Any]:
+            nonlocal interrupted
+            if on_step is not None:
+                on_step(index + 1, int(pipe.num_timesteps))
+            if should_stop is not None and should_stop():
+                interrupted = True
+                pipe._interrupt = True  # the pipeline skips the remaining steps
+            return callback_kwargs
+
+        common = {"prompt": request.prompt, "negative_prompt": request.negative_prompt,
+                  "num_inference_steps": request.steps, "guidance_scale": request.guidance_scale,
+                  "generator": generator, "callback_on_step_end": step_end}
+        # 4. Denoise: txt2img without an init image, img2img with one.
+        if request.init_image is None:
+            output = self.pipe(height=request.height, width=request.width, **common)
+        else:
+            assert self.img2img is not None  # check_inputs refuses init_image without img2img
+            output = self.img2img(image=request.init_image, strength=request.strength, **common)
+        # 5. An interrupted job has no result.
+        if interrupted:
+            raise JobCancelled()
+        # 6. Exactly the requested size (the VAE's output already is, for sizes the checks allow).
+        size = (request.width, request.height)
+        return [image if image.size == size else image.resize(size, resample=3) for image in output.images]
+
+
+def load_pipelines(models: list[InstalledModel], device: str) -> dict[str, DiffusersPipeline]:
+    """Every model's pipeline, by model_id, in the order given."""
+    loaded = {}
+    for model in models:
+        log.info("loading %s (%s) from %s on %s", model.model_id, model.pipeline, model.source, device)
+        loaded[model.model_id] = DiffusersPipeline.load(model, device)
+    return loaded

@@ -1,0 +1,70 @@
+"""`manage.py runworker_gpu --api ws://HOST:PORT --token T ...`: run a GPU worker.
+
+This command only parses flags; the worker program (workers.gpu) does the rest. It never touches
+the database, and torch/diffusers are imported only once the worker starts, so the API process
+never pays for them.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+from django.conf import settings
+from django.core.management.base import BaseCommand, CommandError
+
+MEMORY_MODES = ("auto", "full", "model_offload", "group_offload")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected at least 1, got {value}")
+    return value
+
+
+class Command(BaseCommand):
+    help = "Run a GPU worker that serves the models installed in --models-dir to the API at --api."
+
+    requires_system_checks: list[str] = []  # a GPU host has no database to check
+    requires_migrations_checks = False
+
+    def add_arguments(self, parser: Any) -> None:
+        parser.add_argument("--api", required=True, help="the API, e.g. ws://127.0.0.1:8000")
+        parser.add_argument("--token", default=os.environ.get("WORKER_TOKEN"),
+                            help="worker token (default: $WORKER_TOKEN)")
+        parser.add_argument("--models-dir", default=os.environ.get("MODELS_DIR")
+                            or getattr(settings, "MODELS_DIR", None) or str(Path(settings.BASE_DIR) / "models"),
+                            help="folder of installed models, DIR/*/manifest.json (default: $MODELS_DIR or models/)")
+        parser.add_argument("--models", default=None, help="serve only these model ids, comma-separated")
+        parser.add_argument("--memory-mode", choices=MEMORY_MODES,
+                            default=os.environ.get("MEMORY_MODE") or "auto",
+                            help="pin a memory rung (default: $MEMORY_MODE or auto); only full exists yet")
+        parser.add_argument("--device", default=None,
+                            help="cuda, cuda:N or cpu (default: cuda when available, else cpu)")
+        parser.add_argument("--vram-mib", type=_positive_int, default=None,
+                            help="a pretend VRAM budget in MiB, for the memory ladder without CUDA")
+        parser.add_argument("--worker-id", default=None, help="default: HOSTNAME:DEVICE_INDEX")
+        parser.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        # Imported here: the worker program is not part of the API process.
+        from workers.gpu.client import TokenRefused
+        from workers.gpu.main import WorkerOptions, WorkerStartError, run_worker
+        from workers.gpu.models import parse_model_ids
+
+        if not options["token"]:
+            raise CommandError("a worker token is required: --token TOKEN or WORKER_TOKEN")
+        worker_options = WorkerOptions(
+            api=options["api"], token=options["token"], models_dir=Path(options["models_dir"]),
+            models=parse_model_ids(options["models"]), memory_mode=options["memory_mode"],
+            device=options["device"], vram_mib=options["vram_mib"], worker_id=options["worker_id"],
+            threads=options["threads"])
+        try:
+            run_worker(worker_options)
+        except (WorkerStartError, TokenRefused) as exc:
+            raise CommandError(str(exc)) from exc
