@@ -5,10 +5,13 @@ import logging
 import os
 import threading
 
-from django.core.asgi import get_asgi_application
+from django.core.wsgi import get_wsgi_application
+
+from potocolom.http import OneHopWsgi
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "potocolom.settings")
-django_asgi_app = get_asgi_application()
+# Django's synchronous handler in one thread hop per request (see potocolom/http.py).
+django_http_app = OneHopWsgi(get_wsgi_application())
 
 from channels.auth import AuthMiddlewareStack  # noqa: E402  (needs Django set up)
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
@@ -39,6 +42,6 @@ if settings.QUEUE_REBUILD_AT_START:
     threading.Thread(target=rebuild_queue_at_start, name="queue-rebuild", daemon=True).start()
 
 application = ProtocolTypeRouter({
-    "http": django_asgi_app,
+    "http": django_http_app,
     "websocket": AuthMiddlewareStack(URLRouter(websocket_urls)),
 })

@@ -125,7 +125,7 @@ TEMPLATES = [
 
 DATABASES = {
     "default": dj_database_url.parse(
-        envstr("DATABASE_URL", f"sqlite:///{BASE_DIR / 'db.sqlite3'}") or "", conn_max_age=0
+        envstr("DATABASE_URL", f"sqlite:///{BASE_DIR / 'db.sqlite3'}") or "", conn_max_age=600, conn_health_checks=True
     )
 }
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
