@@ -6,6 +6,7 @@ naming the file and the field; `route` picks the model a request goes to.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,7 +67,7 @@ def parse_manifests(text: str, *, origin: str) -> list[Manifest]:
     """The manifests in one file's text (one object or a list); ManifestError names origin and field."""
     try:
         data = json.loads(text)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise ManifestError(f"{origin}: not valid JSON ({exc})") from None
     items = data if isinstance(data, list) else [data]
     if not items:
@@ -98,7 +99,7 @@ def parse_manifest(item: Any, *, origin: str) -> Manifest:
     if item["tier"] not in TIERS:
         raise bad("tier", f"must be one of {', '.join(TIERS)}, got {item['tier']!r}")
     cost = item["cost"]
-    if isinstance(cost, bool) or not isinstance(cost, (int, float)) or cost < 0:
+    if isinstance(cost, bool) or not isinstance(cost, (int, float)) or not math.isfinite(cost) or cost < 0:
         raise bad("cost", f"must be a number of at least 0, got {cost!r}")
     capabilities = item["capabilities"]
     if not isinstance(capabilities, list) or not capabilities or any(c not in CAPABILITIES for c in capabilities):
@@ -120,9 +121,11 @@ def parse_manifest(item: Any, *, origin: str) -> Manifest:
 def read_manifest_file(path: Path) -> list[Manifest]:
     """Read and validate one manifest file."""
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ManifestError(f"{path}: cannot be read ({exc.strerror})") from None
+    except UnicodeDecodeError:
+        raise ManifestError(f"{path}: not UTF-8 text") from None
     return parse_manifests(text, origin=str(path))
 
 

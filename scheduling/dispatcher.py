@@ -30,6 +30,7 @@ class Orphans:
 
     held: set[str]
     deadline: float
+    cancelled: set[str] = field(default_factory=set)  # to tell the worker when it comes back
 
 
 class Dispatcher:
@@ -51,9 +52,10 @@ class Dispatcher:
 
     # workers
 
-    def connect(self, *, worker_id: str, channel_name: str, models: Iterable[str]) -> str | None:
+    def connect(self, *, worker_id: str, channel_name: str, models: Iterable[str]) -> tuple[str | None, set[str]]:
         """Register a worker's connection; it keeps the jobs it held before (a reconnect, or this
-        process's restart). Returns the channel of an older connection with the same id, if any."""
+        process's restart). Returns the channel of an older connection with the same id, if any,
+        and the jobs cancelled while it was away, which it must be told of."""
         with self.lock:
             previous = self.workers.pop(worker_id, None)
             held = previous.held if previous else set()
@@ -62,7 +64,8 @@ class Dispatcher:
                 held |= orphans.held
             self.workers[worker_id] = ConnectedWorker(worker_id, channel_name, frozenset(models),
                                                       next(self._joined), held)
-            return previous.channel_name if previous and previous.channel_name != channel_name else None
+            replaced = previous.channel_name if previous and previous.channel_name != channel_name else None
+            return replaced, orphans.cancelled if orphans else set()
 
     def disconnect(self, *, worker_id: str, channel_name: str) -> set[str] | None:
         """Forget a connection; the jobs it held (to send back), or None when a newer connection of
@@ -97,17 +100,20 @@ class Dispatcher:
         with self.lock:
             return self.queues.remove(job_id) is not None
 
-    def release(self, job_id: str) -> str | None:
-        """A held job ended or left its worker; the worker that held it (None when none did)."""
+    def release(self, job_id: str, *, worker_id: str | None = None) -> str | None:
+        """A held job ended or left its worker (only `worker_id`, when given); the worker that held
+        it, or None. A job taken from a worker that has not reconnected since this process started
+        is remembered, so that worker is told to cancel it when it comes back."""
         with self.lock:
             for worker in self.workers.values():
-                if job_id in worker.held:
+                if job_id in worker.held and worker_id in (None, worker.worker_id):
                     worker.held.discard(job_id)
                     return worker.worker_id
-            for worker_id, orphans in self.orphans.items():
-                if job_id in orphans.held:
+            for orphan_id, orphans in self.orphans.items():
+                if job_id in orphans.held and worker_id in (None, orphan_id):
                     orphans.held.discard(job_id)
-                    return worker_id
+                    orphans.cancelled.add(job_id)
+                    return orphan_id
             return None
 
     def plan(self, claim: Callable[[Assignment], bool]) -> list[Assignment]:

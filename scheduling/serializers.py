@@ -1,6 +1,7 @@
 """The job's wire shapes (REST)."""
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from django.urls import reverse
@@ -22,6 +23,28 @@ class StrictSerializer(serializers.Serializer):
         return attrs
 
 
+def _unstorable(value: Any, depth: int = 0) -> str | None:
+    """Why a JSON value cannot be stored as is, or None."""
+    if depth > 32:
+        return "params are nested too deeply"
+    if isinstance(value, str):
+        if "\x00" in value:
+            return "text in params may not hold a NUL character"
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return "text in params must be valid Unicode"
+        return None
+    if isinstance(value, float) and not math.isfinite(value):
+        return "numbers in params must be finite"
+    if isinstance(value, dict):
+        return next(filter(None, (_unstorable(k, depth + 1) or _unstorable(v, depth + 1) for k, v in value.items())),
+                    None)
+    if isinstance(value, list):
+        return next(filter(None, (_unstorable(v, depth + 1) for v in value)), None)
+    return None
+
+
 class JobCreateSerializer(StrictSerializer):
     model_id = serializers.CharField(required=False, max_length=200)
     tier = serializers.ChoiceField(choices=TIERS, required=False)
@@ -29,6 +52,13 @@ class JobCreateSerializer(StrictSerializer):
                                          max_length=len(CAPABILITIES))
     params = serializers.DictField()
     priority = serializers.IntegerField(min_value=0, max_value=9, required=False, default=0)
+
+    def validate_params(self, params: dict[str, Any]) -> dict[str, Any]:
+        """Params must be storable as JSON in every database: finite numbers, UTF-8 text, no NUL."""
+        problem = _unstorable(params)
+        if problem:
+            raise serializers.ValidationError(problem)
+        return params
 
     def to_request(self) -> JobRequest:
         data = self.validated_data

@@ -233,8 +233,9 @@ def job_finish(*, worker_id: str, job_id: str, images: list[str], gpu_ms: float 
     if not finished:
         for name in names:
             default_storage.delete(name)
-    _release_and_dispatch(job_id)
-    return finished
+        return False
+    _release_and_dispatch(job_id, worker_id)
+    return True
 
 
 def _coalesce_started(job_id: str, now: datetime) -> datetime:
@@ -246,12 +247,13 @@ def job_fail(*, worker_id: str, job_id: str, error: str) -> bool:
     """A failure the worker reports is final."""
     failed = Job.objects.filter(id=job_id, worker_id=worker_id, state__in=HELD_STATES).update(
         state=JobState.FAILED, error=str(error)[:2000] or "failed", finished_at=timezone.now()) == 1
-    _release_and_dispatch(job_id)
+    if failed:
+        _release_and_dispatch(job_id, worker_id)
     return failed
 
 
-def _release_and_dispatch(job_id: str) -> None:
-    if dispatcher().release(job_id):
+def _release_and_dispatch(job_id: str, worker_id: str) -> None:
+    if dispatcher().release(job_id, worker_id=worker_id):
         dispatch()
 
 
@@ -275,8 +277,11 @@ def jobs_return(*, job_ids: set[str]) -> None:
 
 
 def worker_connected(*, worker_id: str, channel_name: str, models: list[str]) -> str | None:
-    """Register a worker connection and hand it work; the channel of a connection it replaced."""
-    replaced = dispatcher().connect(worker_id=worker_id, channel_name=channel_name, models=models)
+    """Register a worker connection and hand it work; the channel of a connection it replaced.
+    Jobs cancelled while it was away (this API restarted meanwhile) are cancelled on it first."""
+    replaced, cancelled = dispatcher().connect(worker_id=worker_id, channel_name=channel_name, models=models)
+    for job_id in sorted(cancelled):
+        send_to_worker(channel_name, {"type": "cancel", "job_id": job_id})
     sweep_orphans()
     dispatch()
     return replaced

@@ -51,6 +51,8 @@ class WorkerConsumer(AsyncWebsocketConsumer):
             await self.close(code=CLOSE_UNAUTHENTICATED)
             return
         self.last_seen = time.monotonic()
+        # A connection that never says hello, or falls silent later, is closed all the same.
+        self.watchdog = asyncio.create_task(self.watch())
 
     async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
         """Parse a JSON message and hand it to its handler; a bad message is logged, never fatal."""
@@ -90,8 +92,6 @@ class WorkerConsumer(AsyncWebsocketConsumer):
             worker_id=hello.worker_id, channel_name=self.channel_name, models=[m["model_id"] for m in served])
         if replaced:
             await self.channel_layer.send(replaced, {"type": "worker.replaced"})
-        if self.watchdog is None:
-            self.watchdog = asyncio.create_task(self.watch())
 
     def on_job_started(self, message: dict[str, Any]) -> None:
         jobs.job_started(worker_id=self.worker_id or "", job_id=parse_job_id(message))
@@ -120,7 +120,7 @@ class WorkerConsumer(AsyncWebsocketConsumer):
             await asyncio.sleep(period)
             await database_sync_to_async(jobs.sweep_orphans)()
             if worker_is_dead(last_seen=self.last_seen, now=time.monotonic(), heartbeat_seconds=period):
-                log.warning("worker %s sent nothing for 3 heartbeat periods: dead", self.worker_id)
+                log.warning("worker %s sent nothing for 3 heartbeat periods: dead", self.worker_id or "(no hello)")
                 await self.lose()
                 await self.close(code=CLOSE_SILENT)
                 return
