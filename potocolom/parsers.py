@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import codecs
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from django.conf import settings
@@ -25,7 +26,7 @@ class StrictJSONParser(JSONParser):
     """JSON bodies only: NaN, Infinity, numbers too large for a float and bodies nested past the
     recursion limit are parse errors."""
 
-    def parse(self, stream: Any, media_type: str | None = None, parser_context: dict | None = None) -> Any:
+    def parse(self, stream: Any, media_type: str | None = None, parser_context: Mapping[str, Any] | None = None) -> Any:
         encoding = (parser_context or {}).get("encoding", settings.DEFAULT_CHARSET)
         try:
             text = codecs.getreader(encoding)(stream).read()

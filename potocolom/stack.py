@@ -17,7 +17,6 @@ import tempfile
 import time
 import urllib.parse
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -127,6 +126,13 @@ class Stack:
             time.sleep(0.05)
         return api
 
+    def kill(self, process: Process) -> None:
+        """Kill a process as a crash would (SIGKILL, no shutdown) and forget it."""
+        if process.proc is not None and process.running:
+            os.killpg(process.proc.pid, signal.SIGKILL)
+            process.proc.wait(10)
+        self.processes.remove(process)
+
     def start_worker(self, token: str, models_dir: Path, *options: str) -> Process:
         argv = [sys.executable, "manage.py", "runworker_gpu", "--api", self.ws_url, "--token", token,
                 "--device", "cpu", "--models-dir", str(models_dir), *options]
@@ -149,12 +155,6 @@ class Stack:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-@contextlib.contextmanager
-def stack(**settings: str) -> Iterator[Stack]:
-    with Stack(**settings) as running:
-        yield running
 
 
 def _answers_http(port: int) -> bool:
