@@ -9,6 +9,7 @@ import base64
 import binascii
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -20,6 +21,8 @@ from django.contrib.auth.models import User
 from django.core.files.base import ContentFile
 from django.core.files.storage import default_storage
 from django.db import connection, transaction
+from django.db.models import F, Value
+from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from models_registry.manifests import RoutingError, route
@@ -94,6 +97,24 @@ def send_to_worker(channel_name: str, message: dict[str, Any]) -> None:
     send_to_channel(channel_name, {"type": "worker.send", "message": message})
 
 
+def _claim(*, job_id: str, worker_id: str, now: datetime) -> tuple[int, dict[str, Any]] | None:
+    """Compare-and-set queued -> dispatched; the job's attempt and params, or None when it is no
+    longer queued. One statement (UPDATE ... RETURNING, PostgreSQL and SQLite >= 3.35), since the
+    claim sits on the submit -> dispatch path."""
+    fields = Job._meta
+    sql = (f"UPDATE {fields.db_table} SET state = %s, worker_id = %s, dispatched_at = %s, progress_step = NULL, "
+           "progress_steps = NULL WHERE id = %s AND state = %s RETURNING attempts, params")
+    dispatched_at = fields.get_field("dispatched_at").get_db_prep_value(now, connection)
+    values = [JobState.DISPATCHED.value, worker_id, dispatched_at,
+              fields.pk.get_db_prep_value(uuid.UUID(job_id), connection), JobState.QUEUED.value]
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute(sql, values)
+        row = cursor.fetchone()
+    if row is None:
+        return None
+    return row[0], fields.get_field("params").from_db_value(row[1], None, connection)
+
+
 def dispatch() -> list[Assignment]:
     """Hand queued jobs to workers with room, claiming each in the database first."""
     current = dispatcher()
@@ -102,16 +123,14 @@ def dispatch() -> list[Assignment]:
 
     def claim(assignment: Assignment) -> bool:
         job = assignment.job
-        claimed = Job.objects.filter(id=job.job_id, state=JobState.QUEUED).update(
-            state=JobState.DISPATCHED, worker_id=assignment.worker_id, dispatched_at=now,
-            progress_step=None, progress_steps=None) == 1
-        if claimed:
-            row = Job.objects.values("attempts", "params").get(id=job.job_id)
+        claimed = _claim(job_id=job.job_id, worker_id=assignment.worker_id, now=now)
+        if claimed is not None:
+            attempts, params = claimed
             channel = current.channel_of(assignment.worker_id)
             if channel:
-                sent.append((channel, {"type": "job", "job_id": job.job_id, "attempt": row["attempts"],
-                                       "model_id": job.model_id, "params": row["params"]}))
-        return claimed
+                sent.append((channel, {"type": "job", "job_id": job.job_id, "attempt": attempts,
+                                       "model_id": job.model_id, "params": params}))
+        return claimed is not None
 
     assignments = current.plan(claim)
     for channel, message in sent:
@@ -229,18 +248,13 @@ def job_finish(*, worker_id: str, job_id: str, images: list[str], gpu_ms: float 
     now = timezone.now()
     finished = Job.objects.filter(id=job_id, worker_id=worker_id, state__in=HELD_STATES).update(
         state=JobState.SUCCEEDED, images=names, gpu_ms=gpu_ms, rung=rung[:40], finished_at=now,
-        started_at=_coalesce_started(job_id, now)) == 1
+        started_at=Coalesce(F("started_at"), Value(now))) == 1
     if not finished:
         for name in names:
             default_storage.delete(name)
         return False
     _release_and_dispatch(job_id, worker_id)
     return True
-
-
-def _coalesce_started(job_id: str, now: datetime) -> datetime:
-    started = Job.objects.values_list("started_at", flat=True).get(id=job_id)
-    return started or now
 
 
 def job_fail(*, worker_id: str, job_id: str, error: str) -> bool:
