@@ -132,7 +132,8 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # Daphne's threads and the worker consumers write at once: wait for the lock instead of failing.
     # WAL with synchronous=NORMAL: a commit survives a crash of the process, with no fsync per commit.
     DATABASES["default"].setdefault("OPTIONS", {}).update(
-        {"timeout": 20, "transaction_mode": "IMMEDIATE", "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;"}
+        {"timeout": 20, "transaction_mode": "IMMEDIATE",
+         "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;"}
     )
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
