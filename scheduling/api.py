@@ -69,6 +69,7 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
         body = JobCreateSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         job = services.job_submit(account=account_of(request), request=body.to_request())
+        job.refresh_from_db()  # a worker with room may have it already: answer with the state it is in
         self._positions = selectors.positions_of([job])
         return Response(self.get_serializer(job).data, status=status.HTTP_201_CREATED)
 
