@@ -18,9 +18,11 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from django.conf import settings  # noqa: E402
 from django.urls import path  # noqa: E402
 
+from realtime.consumers import SessionConsumer  # noqa: E402
 from workers.consumers import WorkerConsumer  # noqa: E402
 
 websocket_urls = [
+    path("ws/session/", SessionConsumer.as_asgi()),
     path("ws/worker/", WorkerConsumer.as_asgi()),
 ]
 

@@ -11,6 +11,7 @@ from rest_framework.response import Response
 from rest_framework.routers import SimpleRouter
 
 from models_registry.api import ModelListView
+from realtime.api import UsageView
 from scheduling.api import JobViewSet, QueuesView
 
 router = SimpleRouter(trailing_slash=True)
@@ -30,6 +31,7 @@ urlpatterns = [
     path("api/v1/", include(router.urls)),
     path("api/v1/models/", ModelListView.as_view(), name="models"),
     path("api/v1/queues/", QueuesView.as_view(), name="queues"),
+    path("api/v1/usage/", UsageView.as_view(), name="usage"),
     path("api/v1/schema/", SpectacularAPIView.as_view(permission_classes=[AllowAny]), name="schema"),
     path("admin/", admin.site.urls),
     path("accounts/", include("django.contrib.auth.urls")),

@@ -1,0 +1,63 @@
+"""Realtime drawing sessions and their metering: the database is the truth."""
+from __future__ import annotations
+
+import uuid
+
+from django.conf import settings
+from django.db import models
+
+
+class SessionState(models.TextChoices):
+    QUEUED = "queued"
+    PLACING = "placing"  # session_start sent, session_accepted not yet received
+    LIVE = "live"
+    IDLE = "idle"
+    CLOSED = "closed"
+
+
+OPEN_STATES = (SessionState.QUEUED, SessionState.PLACING, SessionState.LIVE, SessionState.IDLE)
+HOLDING_STATES = (SessionState.PLACING, SessionState.LIVE)  # the session holds a slot on its worker
+
+
+class RealtimeSession(models.Model):
+    """One browser socket's drawing session."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    account = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="sessions")
+    model_id = models.CharField(max_length=200)
+    params = models.JSONField(default=dict, blank=True)  # width, height, steps from the query string
+    state = models.CharField(max_length=20, choices=SessionState.choices, default=SessionState.QUEUED)
+    joined_at = models.DateTimeField()  # first joined: the queue order, kept when sent back
+    worker_id = models.CharField(max_length=200, null=True, blank=True)
+    last_frame_at = models.DateTimeField(null=True, blank=True)
+    live_since = models.DateTimeField(null=True, blank=True)
+    closed_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["joined_at", "id"]
+        indexes = [
+            models.Index(fields=["account", "state"], name="session_account_state"),
+            models.Index(fields=["state", "joined_at"], name="session_state_joined"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.id} ({self.model_id}, {self.state})"
+
+
+class UsageRecord(models.Model):
+    """The time one session held one slot: ended_at is null while it still holds it."""
+
+    account = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="usage_records")
+    model_id = models.CharField(max_length=200)
+    session = models.ForeignKey(RealtimeSession, on_delete=models.CASCADE, related_name="usage_records")
+    worker_id = models.CharField(max_length=200, blank=True, default="")
+    started_at = models.DateTimeField()
+    ended_at = models.DateTimeField(null=True, blank=True)
+    seconds = models.FloatField(default=0.0)
+
+    class Meta:
+        ordering = ["-started_at"]
+        indexes = [models.Index(fields=["account", "model_id"], name="usage_account_model")]
+
+    def __str__(self) -> str:
+        return f"{self.account_id} {self.model_id} {self.seconds:.1f}s"

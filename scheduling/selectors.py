@@ -26,14 +26,20 @@ def positions_of(jobs: Iterable[Job]) -> dict[str, int]:
 
 
 def queues_snapshot() -> dict[str, Any]:
-    """What operators see: queued jobs per model, and the connected workers with what they hold."""
+    """What operators see: queued jobs per model, queued sessions in order, and the connected
+    workers with the jobs they hold, their free realtime slots per model and their live sessions."""
+    from realtime.selectors import sessions_snapshot
     from workers.models import Worker
 
     current = dispatcher()
     with current.lock:
         counts = current.queues.counts()
         held = {w.worker_id: sorted(w.held) for w in current.workers.values()}
-    workers = [{"worker_id": w.worker_id, "gpu": w.gpu, "models": w.served_models, "jobs": held.get(w.worker_id, [])}
-               for w in Worker.objects.filter(worker_id__in=list(held))]
+    sessions = sessions_snapshot()
+    realtime = sessions["workers"]
+    workers = [{"worker_id": w.worker_id, "gpu": w.gpu, "models": w.served_models, "jobs": held.get(w.worker_id, []),
+                "slots": realtime.get(w.worker_id, {}).get("slots", []),
+                "sessions": realtime.get(w.worker_id, {}).get("sessions", [])}
+               for w in Worker.objects.filter(worker_id__in=list(held.keys() | realtime.keys()))]
     return {"jobs": [{"model_id": model_id, "queued": count} for model_id, count in sorted(counts.items())],
-            "sessions": [], "workers": workers}
+            "sessions": sessions["sessions"], "workers": workers}

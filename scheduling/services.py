@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 import logging
 import time
 import uuid
@@ -112,7 +113,8 @@ def _claim(*, job_id: str, worker_id: str, now: datetime) -> tuple[int, dict[str
         row = cursor.fetchone()
     if row is None:
         return None
-    return row[0], fields.get_field("params").from_db_value(row[1], None, connection)
+    params = row[1]  # text from both backends (Django loads jsonb as text), unless a driver decoded it
+    return row[0], json.loads(params) if isinstance(params, (str, bytes)) else params
 
 
 def dispatch() -> list[Assignment]:

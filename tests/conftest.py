@@ -11,11 +11,14 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "potocolom.settings")
 @pytest.fixture(autouse=True)
 def fresh_dispatcher():
     """Each test starts like a freshly started API process: the queue is rebuilt from the database."""
+    from realtime.state import reset_board
     from scheduling.dispatcher import reset_dispatcher
 
     reset_dispatcher()
+    reset_board()
     yield
     reset_dispatcher()
+    reset_board()
 
 
 @pytest.fixture(autouse=True)

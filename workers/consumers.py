@@ -12,16 +12,21 @@ from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 
+from realtime import services as sessions
 from scheduling import services as jobs
 from scheduling.jobs import worker_is_dead
 from workers import services
 from workers.messages import (
     MessageError,
+    parse_frame_result,
     parse_hello,
     parse_job_failed,
     parse_job_id,
     parse_job_progress,
     parse_job_result,
+    parse_rung_changed,
+    parse_session_id,
+    parse_session_refused,
 )
 
 log = logging.getLogger(__name__)
@@ -70,6 +75,8 @@ class WorkerConsumer(AsyncWebsocketConsumer):
                 raise MessageError("the first message must be hello")
             elif kind == "heartbeat":
                 pass
+            elif kind == "frame_result":
+                await self.on_frame_result(message)
             elif kind in self.HANDLERS:
                 await database_sync_to_async(self.HANDLERS[kind])(self, message)
             else:
@@ -92,6 +99,8 @@ class WorkerConsumer(AsyncWebsocketConsumer):
             worker_id=hello.worker_id, channel_name=self.channel_name, models=[m["model_id"] for m in served])
         if replaced:
             await self.channel_layer.send(replaced, {"type": "worker.replaced"})
+        await database_sync_to_async(sessions.worker_slots_set)(
+            worker_id=hello.worker_id, channel_name=self.channel_name, models=served)
 
     def on_job_started(self, message: dict[str, Any]) -> None:
         jobs.job_started(worker_id=self.worker_id or "", job_id=parse_job_id(message))
@@ -109,8 +118,35 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         job_id, error = parse_job_failed(message)
         jobs.job_fail(worker_id=self.worker_id or "", job_id=job_id, error=error)
 
+    def on_session_accepted(self, message: dict[str, Any]) -> None:
+        sessions.session_accept(worker_id=self.worker_id or "", session_id=parse_session_id(message),
+                                now=time.monotonic())
+
+    def on_session_refused(self, message: dict[str, Any]) -> None:
+        session_id, reason = parse_session_refused(message)
+        sessions.session_refuse(worker_id=self.worker_id or "", session_id=session_id, reason=reason)
+
+    def on_rung_changed(self, message: dict[str, Any]) -> None:
+        change = parse_rung_changed(message)
+        services.worker_rung_set(worker_id=self.worker_id or "", model_id=change.model_id, entry={
+            "model_id": change.model_id, "rung": change.rung, "realtime": change.realtime,
+            "frame_ms_p95": change.frame_ms_p95, "realtime_slots": change.realtime_slots})
+        sessions.worker_rung_changed(worker_id=self.worker_id or "", model_id=change.model_id,
+                                     realtime=change.realtime, realtime_slots=change.realtime_slots,
+                                     frame_ms_p95=change.frame_ms_p95)
+
+    async def on_frame_result(self, message: dict[str, Any]) -> None:
+        """A frame goes straight to its browser (no database on this path)."""
+        result = parse_frame_result(message)
+        browser = sessions.frame_result_route(worker_id=self.worker_id or "", session_id=result.session_id)
+        if browser is not None:
+            await self.channel_layer.send(browser, {"type": "session.frame", "seq": result.seq,
+                                                    "image": result.image, "gpu_ms": result.gpu_ms})
+
     HANDLERS = {"job_started": on_job_started, "job_progress": on_job_progress,
-                "job_result": on_job_result, "job_failed": on_job_failed}
+                "job_result": on_job_result, "job_failed": on_job_failed,
+                "session_accepted": on_session_accepted, "session_refused": on_session_refused,
+                "rung_changed": on_rung_changed}
 
     async def watch(self) -> None:
         """Every heartbeat period: a worker silent for 3 periods is dead; workers that held jobs
@@ -135,6 +171,8 @@ class WorkerConsumer(AsyncWebsocketConsumer):
                                                                          channel_name=self.channel_name)
         if current:
             await database_sync_to_async(services.worker_gone)(worker_id=self.worker_id)
+        await database_sync_to_async(sessions.worker_sessions_return)(worker_id=self.worker_id,
+                                                                      channel_name=self.channel_name)
 
     async def disconnect(self, code: int) -> None:
         if self.watchdog is not None and self.watchdog is not asyncio.current_task():

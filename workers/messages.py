@@ -121,3 +121,49 @@ def parse_job_failed(message: dict[str, Any]) -> tuple[str, str]:
     if not isinstance(error, str):
         raise MessageError("error must be a string")
     return parse_job_id(message), error or "failed"
+
+
+# --- realtime sessions ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class FrameResult:
+    session_id: str
+    seq: int
+    image: str  # bare base64 (or a data: URL), PNG or JPEG
+    gpu_ms: float | None
+
+
+@dataclass(frozen=True)
+class RungChanged:
+    model_id: str
+    rung: str
+    realtime: bool
+    realtime_slots: int
+    frame_ms_p95: float | None
+
+
+def parse_session_id(message: dict[str, Any]) -> str:
+    value = _str(message, "session_id", max_length=64)
+    try:
+        return str(uuid.UUID(value))
+    except ValueError:
+        raise MessageError("session_id must be a UUID string") from None
+
+
+def parse_session_refused(message: dict[str, Any]) -> tuple[str, str]:
+    reason = message.get("reason", "")
+    if not isinstance(reason, str):
+        raise MessageError("reason must be a string")
+    return parse_session_id(message), reason[:500]
+
+
+def parse_frame_result(message: dict[str, Any]) -> FrameResult:
+    image = message.get("image")
+    if not isinstance(image, str) or not image:
+        raise MessageError("image must be a base64 string")
+    return FrameResult(parse_session_id(message), _int(message, "seq"), image, _number_or_none(message, "gpu_ms"))
+
+
+def parse_rung_changed(message: dict[str, Any]) -> RungChanged:
+    entry = parse_model_entry(message)
+    return RungChanged(entry.model_id, entry.rung, entry.realtime, entry.realtime_slots, entry.frame_ms_p95)

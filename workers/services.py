@@ -41,3 +41,13 @@ def worker_hello(*, worker_id: str, token: WorkerToken, gpu: Any, models: list[d
 
 def worker_gone(*, worker_id: str) -> None:
     Worker.objects.filter(worker_id=worker_id).update(connected=False, last_seen=timezone.now())
+
+
+def worker_rung_set(*, worker_id: str, model_id: str, entry: dict[str, Any]) -> None:
+    """Record a model's new rung (after a demotion) in what operators see of the worker."""
+    with transaction.atomic():
+        worker = Worker.objects.select_for_update().filter(worker_id=worker_id).first()
+        if worker is None:
+            return
+        worker.served_models = [entry if m.get("model_id") == model_id else m for m in worker.served_models]
+        worker.save(update_fields=["served_models"])

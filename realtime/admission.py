@@ -1,0 +1,85 @@
+"""First-fit admission of realtime sessions, as pure functions over plain data (no Django here).
+
+Sessions wait in the order each first joined; a session sent back (refused, its worker died, its
+slot went idle) keeps that place. Admission walks the queue in that order and gives each session a
+free slot of its model, if any worker has one: a session whose model has no room does not hold up
+one whose model has room. Time is passed in (`now=`), never read here.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+SlotKey = tuple[str, str]  # (worker_id, model_id)
+
+
+@dataclass(frozen=True)
+class QueuedSession:
+    session_id: str
+    model_id: str
+    joined_us: int  # microseconds since the epoch of the first join: the queue order
+    refused_by: frozenset[str] = field(default=frozenset(), compare=False)  # workers not to try again
+
+
+@dataclass(frozen=True)
+class Placement:
+    session_id: str
+    worker_id: str
+    model_id: str
+
+
+def queue_order(queued: Iterable[QueuedSession]) -> list[QueuedSession]:
+    """The queue: first joined first; the id breaks exact ties so the order is total."""
+    return sorted(queued, key=lambda s: (s.joined_us, s.session_id))
+
+
+def positions(queued: Iterable[QueuedSession]) -> dict[str, int]:
+    """1-based place of each queued session among all queued sessions."""
+    return {s.session_id: n for n, s in enumerate(queue_order(queued), start=1)}
+
+
+def model_slots(*, realtime: bool, frame_ms_p95: float | None, realtime_slots: int,
+                frame_budget_ms: float) -> int:
+    """The slots a worker's model entry offers: only with realtime, and a p95 frame time within the
+    API's budget (an unknown frame time is not within it)."""
+    if not realtime or frame_ms_p95 is None or frame_ms_p95 > frame_budget_ms:
+        return 0
+    return max(0, realtime_slots)
+
+
+def free_slots(capacity: Mapping[SlotKey, int], held: Iterable[SlotKey]) -> dict[SlotKey, int]:
+    """Free slots per (worker, model): the capacity minus the sessions placing or live there
+    (never below zero: a demoted model may hold more than it now offers)."""
+    free = dict(capacity)
+    for key in held:
+        if key in free:
+            free[key] = max(0, free[key] - 1)
+    return free
+
+
+def first_fit(queued: Sequence[QueuedSession], free: Mapping[SlotKey, int]) -> list[Placement]:
+    """Place queued sessions, in queue order, on the first worker (by worker_id) with a free slot of
+    the session's model that has not refused it. Each slot is given at most once."""
+    remaining = {key: count for key, count in free.items() if count > 0}
+    by_model: dict[str, list[str]] = {}
+    for worker_id, model_id in sorted(remaining):
+        by_model.setdefault(model_id, []).append(worker_id)
+    placements = []
+    for session in queue_order(queued):
+        for worker_id in by_model.get(session.model_id, ()):
+            key = (worker_id, session.model_id)
+            if remaining.get(key, 0) > 0 and worker_id not in session.refused_by:
+                remaining[key] -= 1
+                placements.append(Placement(session.session_id, worker_id, session.model_id))
+                break
+    return placements
+
+
+def is_idle(last_input: float, now: float, idle_seconds: float) -> bool:
+    """No canvas input since `last_input` (the last frame, or going live) for idle_seconds."""
+    return now - last_input >= idle_seconds
+
+
+def idle_at(last_input: float, idle_seconds: float) -> float:
+    """When a session with no further input goes idle."""
+    return last_input + idle_seconds

@@ -1,0 +1,139 @@
+"""The browser socket /ws/session/: translates between the wire and the session services."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any
+from urllib.parse import parse_qs
+
+from channels.db import database_sync_to_async
+from channels.generic.websocket import AsyncWebsocketConsumer
+from django.conf import settings
+
+from realtime import services
+from realtime.errors import CLOSE_MESSAGE_TOO_BIG, NotAuthenticated, SessionError
+from realtime.messages import BrowserMessageError, image_data_url, parse_browser_message
+from realtime.sweeper import sweeper_hold, sweeper_release
+
+log = logging.getLogger(__name__)
+RECEIVED_KEPT = 256  # receive times remembered for `ms` (frames still in flight)
+
+
+def query_of(scope: dict[str, Any]) -> dict[str, str]:
+    parsed = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+    return {name: values[-1] for name, values in parsed.items()}
+
+
+class SessionConsumer(AsyncWebsocketConsumer):
+    """One drawing page's session."""
+
+    session_id: str | None = None
+    idle_watch: asyncio.Task | None = None
+
+    async def connect(self) -> None:
+        """Accept, then join the session or close with the code that says why not."""
+        await self.accept()
+        self.received: dict[int, float] = {}  # seq -> monotonic time the frame arrived
+        self.last_sent_seq = -1
+        try:
+            query = query_of(self.scope)
+            account = await database_sync_to_async(services.session_account)(
+                user=self.scope.get("user"), token=query.get("token"))
+            if account is None:
+                raise NotAuthenticated()
+            model_id, params = await database_sync_to_async(services.session_request)(query=query)
+            session = await database_sync_to_async(services.session_join)(
+                account=account, model_id=model_id, params=params, channel_name=self.channel_name)
+        except SessionError as exc:
+            # A close reason is at most 123 bytes.
+            await self.close(code=exc.close_code, reason=exc.detail.encode()[:120].decode(errors="ignore"))
+            return
+        self.session_id = str(session.id)
+        sweeper_hold()
+
+    async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
+        """A frame goes to the worker (or waits as the newest); anything else answers `error`."""
+        if self.session_id is None:
+            return
+        arrived = time.monotonic()
+        limit = settings.BROWSER_MESSAGE_MAX_BYTES
+        size = len(bytes_data) if bytes_data is not None else len(text_data or "")
+        if size > limit or (text_data and size * 4 > limit and len(text_data.encode()) > limit):
+            await self.leave()
+            await self.close(code=CLOSE_MESSAGE_TOO_BIG)
+            return
+        try:
+            if bytes_data is not None:
+                raise BrowserMessageError("messages are JSON text")
+            frame = parse_browser_message(text_data or "")
+        except BrowserMessageError as exc:
+            await self.send_json({"type": "error", "error": str(exc)})
+            return
+        self.remember(frame.seq, arrived)
+        message = frame.for_worker(self.session_id)
+        state, worker_channel = services.session_frame(session_id=self.session_id, frame=message, now=arrived)
+        if worker_channel is not None:
+            await self.channel_layer.send(worker_channel, {"type": "worker.send", "message": message})
+        elif state == "idle":
+            await database_sync_to_async(services.session_wake)(session_id=self.session_id)
+
+    def remember(self, seq: int, arrived: float) -> None:
+        self.received[seq] = arrived
+        if len(self.received) > RECEIVED_KEPT:
+            for old in sorted(self.received)[:-RECEIVED_KEPT]:
+                del self.received[old]
+
+    async def disconnect(self, code: int) -> None:
+        await self.leave()
+
+    async def leave(self) -> None:
+        """The session leaves the queue or frees its slot (once)."""
+        if self.idle_watch is not None and self.idle_watch is not asyncio.current_task():
+            self.idle_watch.cancel()
+        if self.session_id is not None:
+            session_id, self.session_id = self.session_id, None
+            sweeper_release()
+            await database_sync_to_async(services.session_close)(session_id=session_id)
+
+    async def send_json(self, message: dict[str, Any]) -> None:
+        await self.send(text_data=json.dumps(message))
+
+    # channel-layer messages from the services
+
+    async def session_send(self, event: dict[str, Any]) -> None:
+        """A state message for the browser."""
+        await self.send_json(event["message"])
+
+    async def session_live(self, event: dict[str, Any]) -> None:
+        """Live on a worker: tell the browser, and watch for idleness from now."""
+        await self.send_json(event["message"])
+        if self.idle_watch is None or self.idle_watch.done():
+            self.idle_watch = asyncio.create_task(self.watch_idle())
+
+    async def session_frame(self, event: dict[str, Any]) -> None:
+        """A worker's result: shown unless a newer frame was already shown."""
+        seq = event["seq"]
+        if seq <= self.last_sent_seq:
+            return
+        self.last_sent_seq = seq
+        arrived = self.received.pop(seq, None)
+        for older in [s for s in self.received if s < seq]:
+            del self.received[older]
+        ms = round((time.monotonic() - arrived) * 1000, 3) if arrived is not None else None
+        await self.send_json({"type": "frame", "seq": seq, "image": image_data_url(event["image"]), "ms": ms})
+
+    async def session_end(self, event: dict[str, Any]) -> None:
+        """An operator ended the session."""
+        await self.leave()
+        await self.close(code=1000)
+
+    async def watch_idle(self) -> None:
+        """Ask the service, at each moment the session could have gone idle, whether it has."""
+        while self.session_id is not None:
+            wait = await database_sync_to_async(services.session_idle_check)(
+                session_id=self.session_id, now=time.monotonic())
+            if wait is None:
+                return
+            await asyncio.sleep(wait)

@@ -1,0 +1,46 @@
+"""The periodic admission and idle sweep (SESSION_SWEEP_SECONDS), one task per API process.
+
+It runs while at least one browser socket is open in this process: each socket takes a hold on
+it when its session joins and lets go when it closes.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from channels.db import database_sync_to_async
+from django.conf import settings
+
+log = logging.getLogger(__name__)
+_task: asyncio.Task | None = None
+_holds = 0
+
+
+def sweeper_hold() -> None:
+    """A browser socket joined: make sure the sweep runs on this event loop."""
+    global _task, _holds
+    _holds += 1
+    loop = asyncio.get_running_loop()
+    if _task is None or _task.done() or _task.get_loop() is not loop:
+        _task = loop.create_task(_sweep_forever(), name="session-sweep")
+
+
+def sweeper_release() -> None:
+    """A browser socket closed; the sweep stops with the last one."""
+    global _task, _holds
+    _holds = max(0, _holds - 1)
+    if _holds == 0 and _task is not None:
+        _task.cancel()
+        _task = None
+
+
+async def _sweep_forever() -> None:
+    from realtime.services import sessions_sweep
+
+    while True:
+        await asyncio.sleep(settings.SESSION_SWEEP_SECONDS)
+        try:
+            await database_sync_to_async(sessions_sweep)(now=time.monotonic())
+        except Exception:  # one failed sweep must not stop the next
+            log.exception("the session sweep failed")
