@@ -8,6 +8,10 @@ API is away (job_started, job_result, job_failed) waits there for the next welco
 running meanwhile. The connection is retried forever with exponential backoff and jitter; only a
 refused token (close code 4001) ends the worker with an error.
 
+Live drawing sessions (sessions.SessionDesk) hold the realtime slots measured at load
+(frames.py); their frames run on the same denoising thread as jobs, before the next job and
+between a job's steps, and come back as frame_result messages. A dropped connection ends them all.
+
 This module imports nothing from the API's Django code: a GPU host runs it with no database.
 """
 from __future__ import annotations
@@ -21,12 +25,14 @@ import time
 import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 
+from workers.gpu.frames import FramePipeline, FrameRunner, RealtimeCapacity
 from workers.gpu.jobs import DenoiseLoop, Encode, HeldJob, JobTiming, Pipeline, encode_png_b64
+from workers.gpu.sessions import SessionDesk
 
 log = logging.getLogger(__name__)
 
@@ -38,10 +44,10 @@ RECONNECT_INITIAL_SECONDS = 0.5
 RECONNECT_MAX_SECONDS = 10.0
 DEFAULT_HEARTBEAT_SECONDS = 10.0
 OPEN_TIMEOUT_SECONDS = 10.0
-SESSIONS_NOT_SERVED = "realtime sessions are not served by this worker yet"
 FINAL_TYPES = frozenset({"job_result", "job_failed"})
-# Kept across a reconnect; progress and heartbeats of a lost connection are stale, so dropped.
-KEPT_WHILE_DOWN = frozenset({"job_started", "job_result", "job_failed", "session_refused"})
+# Kept across a reconnect; progress, heartbeats and anything about sessions (the API sends those
+# back to its queue when the connection drops) are stale on the next one, so dropped.
+KEPT_WHILE_DOWN = frozenset({"job_started", "job_result", "job_failed"})
 
 
 class TokenRefused(RuntimeError):
@@ -112,10 +118,13 @@ class WorkerClient:
 
     `timings` lists a JobTiming per job received, in arrival order (see jobs.denoise_idle_gaps).
     `encode` is the seam that turns images into job_result strings (tests slow it down).
+    `realtime` is each model's measured capacity (frames.measure_capacity); a model without one,
+    or not on the full rung, serves no sessions.
     """
 
     def __init__(self, config: WorkerConfig, pipelines: Mapping[str, Pipeline], *,
-                 encode: Encode = encode_png_b64, clock: Callable[[], float] = time.monotonic):
+                 encode: Encode = encode_png_b64, clock: Callable[[], float] = time.monotonic,
+                 realtime: Mapping[str, RealtimeCapacity] | None = None):
         self.config = config
         self.url = worker_socket_url(config.api_url, config.token)
         self.pipelines = dict(pipelines)
@@ -126,8 +135,13 @@ class WorkerClient:
         self._backoff = Backoff(config.reconnect_initial_seconds, config.reconnect_max_seconds)
         self._held: dict[str, HeldJob] = {}
         self._outbox: collections.deque[_Outgoing] = collections.deque()
+        frame_pipelines = {m: cast(FramePipeline, p) for m, p in self.pipelines.items() if m in (realtime or {})}
+        self.frames = FrameRunner(frame_pipelines, {m: c.slots for m, c in (realtime or {}).items()},
+                                  self._post_frame, clock=clock)
         self._denoiser = DenoiseLoop(self.pipelines, self._post, self._release_threadsafe,
-                                     encode=encode, clock=clock)
+                                     encode=encode, clock=clock, frames=self.frames)
+        self.sessions = SessionDesk(cast(Mapping[str, FramePipeline], self.pipelines), realtime or {}, self.frames,
+                                    self._denoiser.wake, clock=clock)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._outbox_ready: asyncio.Event | None = None
         self._stopped: asyncio.Event | None = None
@@ -138,16 +152,15 @@ class WorkerClient:
         self._tasks: list[asyncio.Task[None]] = []
         self._handlers: dict[str, Callable[[dict[str, Any]], None]] = {
             "welcome": self._on_welcome, "job": self._on_job, "cancel": self._on_cancel,
-            "session_start": self._on_session_start, "session_end": self._on_session_message,
-            "frame": self._on_session_message,
+            "session_start": self._on_session_start, "session_end": self._on_session_end,
+            "frame": self._on_frame,
         }
 
     # --- lifecycle ----------------------------------------------------------------------------
 
     def hello_message(self) -> dict[str, Any]:
         """The first message of every connection: who we are and what we serve, on which rung."""
-        models = [{"model_id": model_id, "rung": pipeline.rung, "realtime": False, "frame_ms_p95": None,
-                   "realtime_slots": 0} for model_id, pipeline in self.pipelines.items()]
+        models = [self.sessions.hello_entry(model_id, pipeline.rung) for model_id, pipeline in self.pipelines.items()]
         return {"type": "hello", "worker_id": self.config.worker_id, "gpu": self.config.gpu, "models": models}
 
     async def run(self) -> None:
@@ -213,6 +226,7 @@ class WorkerClient:
             pass
         finally:
             self._ws = self._welcomed_ws = None
+            self.sessions.clear()
             tasks, self._tasks = self._tasks, []
             for task in tasks:
                 task.cancel()
@@ -292,13 +306,18 @@ class WorkerClient:
         log.info("job %s cancelled", job_id)
 
     def _on_session_start(self, message: dict[str, Any]) -> None:
-        session_id = _text_field(message, "session_id")
-        self._enqueue(_Outgoing("session_refused", json.dumps(
-            {"type": "session_refused", "session_id": session_id, "reason": SESSIONS_NOT_SERVED}), None))
+        answer = self.sessions.start(_text_field(message, "session_id"), _text_field(message, "model_id"),
+                                     message.get("params"))
+        self._enqueue(_Outgoing(answer["type"], json.dumps(answer), None))
 
-    def _on_session_message(self, message: dict[str, Any]) -> None:
-        log.debug("ignoring %s for session %s, which this worker does not serve",
-                  message.get("type"), message.get("session_id"))
+    def _on_session_end(self, message: dict[str, Any]) -> None:
+        self.sessions.end(_text_field(message, "session_id"))
+
+    def _on_frame(self, message: dict[str, Any]) -> None:
+        try:
+            self.sessions.frame(_text_field(message, "session_id"), message)
+        except ValueError as exc:  # sessions.BadFrame
+            raise BadMessage(str(exc)) from exc
 
     # --- outgoing -----------------------------------------------------------------------------
 
@@ -311,6 +330,14 @@ class WorkerClient:
                 "type": "job_failed", "job_id": message["job_id"],
                 "error": f"result of {len(text)} bytes is over the {self.config.max_result_bytes}-byte limit"})
         self._call_soon(self._enqueue, _Outgoing(kind, text, job))
+
+    def _post_frame(self, message: dict[str, Any]) -> None:
+        """From the frame encoder: queue a frame_result, unless its session ended meanwhile."""
+        self._call_soon(self._enqueue_frame, message["session_id"], json.dumps(message))
+
+    def _enqueue_frame(self, session_id: str, text: str) -> None:
+        if self.sessions.holds(session_id):
+            self._enqueue(_Outgoing("frame_result", text, None))
 
     def _call_soon(self, callback: Callable[..., None], *args: Any) -> None:
         if self._loop is None:

@@ -5,6 +5,9 @@ separate encoder thread (PNG, base64, the job_result message) and starts the nex
 so the denoising loop never waits on encoding or on the socket. Both threads talk to the socket
 side only through two thread-safe callables: `post` (a message to send) and `release` (a job is
 done with, one way or another).
+
+Realtime frames (frames.FrameRunner) share the thread: pending frames run before the next job
+and between two denoising steps of the running job; `wake()` says frames are waiting.
 """
 from __future__ import annotations
 
@@ -23,6 +26,8 @@ from workers.gpu.pipelines import JobCancelled, OnStep, ShouldStop
 
 if TYPE_CHECKING:
     from PIL.Image import Image
+
+    from workers.gpu.frames import FrameRunner
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +119,7 @@ def short_error(exc: BaseException) -> str:
     return text if len(text) <= ERROR_CHARS else text[:ERROR_CHARS] + "..."
 
 
+_WAKE = object()  # queued by wake(): frames are waiting
 Post = Callable[[dict[str, Any], "HeldJob | None"], None]
 Release = Callable[[HeldJob], None]
 Encode = Callable[[Sequence["Image"]], list[str]]
@@ -123,13 +129,16 @@ class DenoiseLoop:
     """The single denoising thread and the encoder it hands results to."""
 
     def __init__(self, pipelines: Mapping[str, Pipeline], post: Post, release: Release, *,
-                 encode: Encode = encode_png_b64, clock: Callable[[], float] = time.monotonic):
+                 encode: Encode = encode_png_b64, clock: Callable[[], float] = time.monotonic,
+                 frames: FrameRunner | None = None):
         self._pipelines = pipelines
         self._post = post
         self._release = release
         self._encode = encode
         self._clock = clock
-        self._jobs: queue.Queue[HeldJob | None] = queue.Queue()
+        self._frames = frames
+        # A job, _WAKE (frames are waiting), or None (stop).
+        self._jobs: queue.Queue[HeldJob | object | None] = queue.Queue()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="denoise", daemon=True)
         # One encoder thread: results leave in the order their jobs were denoised.
@@ -142,19 +151,39 @@ class DenoiseLoop:
         """Queue a held job behind the ones already held."""
         self._jobs.put(job)
 
+    def wake(self) -> None:
+        """Frames are waiting: run them now if the thread is idle, else at the next step or job."""
+        self._jobs.put(_WAKE)
+
     def stop(self, timeout: float = JOIN_SECONDS) -> None:
         """Interrupt the running job at its next step, drop the rest, and wait for the thread."""
         self._stopping.set()
         self._jobs.put(None)
         self._encoder.shutdown(wait=False, cancel_futures=True)
+        if self._frames is not None:
+            self._frames.close()
         if self._thread.is_alive():
             self._thread.join(timeout)
+
+    def _run_frames(self) -> float:
+        """Run the pending frames; return the seconds they took."""
+        if self._frames is None or self._stopping.is_set():
+            return 0.0
+        before = self._frames.busy_seconds
+        try:
+            self._frames.run_pending()
+        except Exception:  # never let frames end the loop
+            log.exception("unexpected error running realtime frames")
+        return self._frames.busy_seconds - before
 
     def _run(self) -> None:
         while True:
             job = self._jobs.get()
             if job is None or self._stopping.is_set():
                 return
+            self._run_frames()  # frames first: they are waited for by someone drawing
+            if not isinstance(job, HeldJob):
+                continue
             if job.cancelled:
                 self._release(job)
                 continue
@@ -171,9 +200,12 @@ class DenoiseLoop:
         timing = job.timing
         timing.denoise_start = self._clock()  # before job_started: whoever sees that message sees this
         self._post({"type": "job_started", "job_id": job.job_id}, job)
+        frame_seconds = 0.0
 
         def on_step(step: int, steps: int) -> None:
+            nonlocal frame_seconds
             self._post({"type": "job_progress", "job_id": job.job_id, "step": step, "steps": steps}, job)
+            frame_seconds += self._run_frames()  # between two steps: frames wait one step at most
 
         try:
             images = pipeline.generate(job.params, on_step=on_step,
@@ -190,7 +222,7 @@ class DenoiseLoop:
             self._fail(job, short_error(exc))
             return
         timing.denoise_end = self._clock()
-        gpu_ms = (timing.denoise_end - timing.denoise_start) * 1000
+        gpu_ms = (timing.denoise_end - timing.denoise_start - frame_seconds) * 1000  # the job's own time
         try:
             self._encoder.submit(self._encode_result, job, images, gpu_ms, pipeline.rung)
         except RuntimeError:  # the encoder was shut down: the worker is stopping

@@ -38,6 +38,8 @@ class WorkerOptions:
     vram_mib: int | None = None  # a pretend VRAM budget (used by the memory ladder)
     worker_id: str | None = None
     threads: int | None = None
+    frame_budget_ms: float = 500.0  # FRAME_BUDGET_MS: the per-frame p95 that realtime slots are sized to
+    realtime: bool = True  # False (--no-realtime): measure nothing, serve no sessions
 
 
 def default_device() -> str:
@@ -95,6 +97,21 @@ def _check(options: WorkerOptions, device: str) -> None:
             raise WorkerStartError(f"--device {device}, but torch sees no CUDA device here; use --device cpu")
 
 
+def measure_realtime(pipelines: dict[str, Any], budget_ms: float) -> dict[str, Any]:
+    """Each full-rung img2img model's RealtimeCapacity (frames.measure_capacity), by model_id."""
+    from workers.gpu.frames import describe, measure_capacity
+    from workers.gpu.pipelines import RUNG_FULL
+
+    capacities = {}
+    for model_id, pipeline in pipelines.items():
+        if pipeline.rung != RUNG_FULL or pipeline.frames is None:
+            continue
+        capacity = measure_capacity(pipeline, pipeline.model.params_schema, pipeline.default_size, budget_ms)
+        log.info("%s", describe(model_id, capacity, budget_ms))
+        capacities[model_id] = capacity
+    return capacities
+
+
 def build_client(options: WorkerOptions) -> Any:
     """Load the installed models and make the WorkerClient (not yet connected)."""
     from workers.gpu.models import ManifestError, UnknownModelError
@@ -120,10 +137,11 @@ def build_client(options: WorkerOptions) -> Any:
         pipelines = load_pipelines(models, device)
     except PipelineLoadError as exc:
         raise WorkerStartError(str(exc)) from exc
+    realtime = measure_realtime(pipelines, options.frame_budget_ms) if options.realtime else {}
     worker_id = options.worker_id or default_worker_id(device)
     try:
         config = WorkerConfig(api_url=options.api, token=options.token, worker_id=worker_id, gpu=gpu_info(device))
-        client = WorkerClient(config, pipelines)
+        client = WorkerClient(config, pipelines, realtime=realtime)
     except ValueError as exc:
         raise WorkerStartError(str(exc)) from exc
     log.info("worker %s serves %s on %s (vram budget %s MiB)", worker_id, ", ".join(pipelines), device,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
+import copy
 import io
 import logging
 import os
@@ -50,6 +51,24 @@ class JobCancelled(Exception):
 
 class PipelineLoadError(RuntimeError):
     """A model's pipeline could not be loaded from its source."""
+
+
+@dataclass(frozen=True)
+class FrameRequest:
+    """One batched img2img call for realtime frames: one prompt, init image and seed per frame.
+
+    `strength` is one per call (diffusers takes one); frames.py groups frames so that every
+    frame's own strength gives the same denoising steps as this one (see frames.denoise_steps).
+    """
+
+    prompts: list[str]
+    images: list[Image]
+    seeds: list[int]
+    width: int
+    height: int
+    steps: int
+    guidance_scale: float
+    strength: float
 
 
 @dataclass(frozen=True)
@@ -170,10 +189,12 @@ def torch_dtype_for(device: str) -> Any:
 class DiffusersPipeline:
     """A loaded Stable-Diffusion-style pipeline (txt2img, plus img2img sharing its modules)."""
 
-    def __init__(self, model: InstalledModel, pipe: Any, img2img: Any | None, device: str, rung: str):
+    def __init__(self, model: InstalledModel, pipe: Any, img2img: Any | None, device: str, rung: str,
+                 frames: Any | None = None):
         self.model = model
         self.pipe = pipe
         self.img2img = img2img
+        self.frames = frames  # img2img for realtime frames, with its own scheduler (see generate_frames)
         self.device = device
         self.rung = rung
 
@@ -192,14 +213,20 @@ class DiffusersPipeline:
             raise PipelineLoadError(f"model {model.model_id}: cannot load {model.source}: {exc}") from exc
         pipe.set_progress_bar_config(disable=True)
         rung = place(pipe, device)
-        img2img = None
+        img2img = frames = None
         if "img2img" in model.capabilities:
-            # from_pipe shares the loaded modules: no second copy of the weights. Its dtype cast
-            # warns that "[]" modules should stay float32 (a diffusers quirk): nothing to say.
+            # from_pipe shares the loaded modules: no second copy of the weights. It casts them to
+            # its `dtype` (float32 unless told), so it is told the loaded one. The cast warns that
+            # "[]" modules should stay float32 (a diffusers quirk): nothing to say.
+            dtype = torch_dtype_for(device)
             with _quiet("diffusers.models.modeling_utils"):
-                img2img = img2img_class(pipe).from_pipe(pipe)
+                img2img = img2img_class(pipe).from_pipe(pipe, dtype=dtype)
+                # Frames get their own pipeline object and scheduler: a frame batch may run inside
+                # a job's step callback, and must not touch that job's timesteps or step index.
+                frames = img2img_class(pipe).from_pipe(pipe, dtype=dtype, scheduler=copy.deepcopy(pipe.scheduler))
             img2img.set_progress_bar_config(disable=True)
-        return cls(model, pipe, img2img, device, rung)
+            frames.set_progress_bar_config(disable=True)
+        return cls(model, pipe, img2img, device, rung, frames)
 
     @property
     def default_size(self) -> int:
@@ -290,6 +317,32 @@ class DiffusersPipeline:
             raise JobCancelled()
         # 6. Exactly the requested size (the VAE's output already is, for sizes the checks allow).
         size = (request.width, request.height)
+        return [image if image.size == size else image.resize(size, resample=3) for image in output.images]
+
+
+    def generate_frames(self, request: FrameRequest) -> list[Image]:
+        """Run one batch of realtime frames; return one image per frame, each width x height.
+
+        It is one diffusers call on the frames pipeline (img2img sharing the loaded modules):
+
+            frames(prompt=prompts, image=images, strength=strength, num_inference_steps=steps,
+                   guidance_scale=guidance_scale,
+                   generator=[torch.Generator("cpu").manual_seed(seed) for seed in seeds])
+
+        with each init image resized to width x height (bicubic). A per-frame generator gives each
+        frame the noise it would get alone, so a frame's pixels do not depend on its batch
+        (up to float rounding in the batched UNet).
+        """
+        import torch
+
+        if self.frames is None:
+            raise InvalidParams(f"model {self.model.model_id} does not do img2img, so it serves no frames")
+        size = (request.width, request.height)
+        images = [image if image.size == size else image.resize(size, resample=3) for image in request.images]
+        generators = [torch.Generator("cpu").manual_seed(seed) for seed in request.seeds]
+        output = self.frames(prompt=list(request.prompts), image=images, strength=request.strength,
+                             num_inference_steps=request.steps, guidance_scale=request.guidance_scale,
+                             generator=generators)
         return [image if image.size == size else image.resize(size, resample=3) for image in output.images]
 
 

@@ -16,6 +16,7 @@ from websockets.exceptions import ConnectionClosed
 
 WAIT_SECONDS = 30.0
 WELCOME_SENT = "_welcome_sent"  # a marker filed among the messages when a welcome goes out
+BARRIER_MODEL = "barrier-model-served-nowhere"
 
 
 class FakeApi:
@@ -105,27 +106,51 @@ class FakeApi:
 
     async def next_message(self, type: str, timeout: float = WAIT_SECONDS, **fields: Any) -> dict[str, Any]:
         """The first message not yet taken with this type and these fields; waits for it."""
+        return await self.next_message_of((type,), timeout, **fields)
+
+    async def barrier(self) -> None:
+        """Return once the worker has handled everything sent before: a session_start is answered
+        in order, after the messages ahead of it (for a model no worker serves, it is refused)."""
+        session_id = str(uuid.uuid4())
+        await self.send({"type": "session_start", "session_id": session_id, "model_id": BARRIER_MODEL,
+                         "params": {}})
+        await self.next_message("session_refused", session_id=session_id)
+
+    async def session_start(self, session_id: str, params: dict[str, Any] | None = None,
+                            model_id: str = "tiny-sd") -> dict[str, Any]:
+        """Start a session; return the worker's answer (session_accepted or session_refused)."""
+        await self.send({"type": "session_start", "session_id": session_id, "model_id": model_id,
+                         "params": params or {}})
+        return await self.next_message_of(("session_accepted", "session_refused"), session_id=session_id)
+
+    async def next_message_of(self, types: tuple[str, ...], timeout: float = WAIT_SECONDS,
+                              **fields: Any) -> dict[str, Any]:
+        """The first message not yet taken of any of these types with these fields."""
         def find() -> int | None:
             return next((i for i, m in enumerate(self.received) if i not in self._taken
-                         and m.get("type") == type and all(m.get(k) == v for k, v in fields.items())), None)
+                         and m.get("type") in types and all(m.get(k) == v for k, v in fields.items())), None)
 
         async with self._changed:
             try:
                 async with asyncio.timeout(timeout):
                     await self._changed.wait_for(lambda: find() is not None)
             except TimeoutError:
-                raise AssertionError(f"no {type} {fields} within {timeout}s; got {self.brief()}") from None
+                raise AssertionError(f"no {types} {fields} within {timeout}s; got {self.brief()}") from None
             index = find()
             assert index is not None
             self._taken.add(index)
             return self.received[index]
 
-    async def barrier(self) -> None:
-        """Return once the worker has handled everything sent before: a session_start is answered
-        in order, after the messages ahead of it."""
-        session_id = str(uuid.uuid4())
-        await self.send({"type": "session_start", "session_id": session_id, "model_id": "tiny-sd", "params": {}})
-        await self.next_message("session_refused", session_id=session_id)
+    async def frame(self, session_id: str, seq: int, image: str, prompt: str = "a sketch",
+                    strength: float | None = None) -> None:
+        params: dict[str, Any] = {"prompt": prompt}
+        if strength is not None:
+            params["strength"] = strength
+        await self.send({"type": "frame", "session_id": session_id, "seq": seq, "image": image, "params": params})
+
+    def frames_of(self, session_id: str) -> list[dict[str, Any]]:
+        """Every frame_result received for a session, in order."""
+        return [m for m in self.received if m.get("type") == "frame_result" and m.get("session_id") == session_id]
 
     def about(self, job_id: str) -> list[dict[str, Any]]:
         """Every message received about a job, in order."""

@@ -36,3 +36,7 @@ class GatedPipeline:
                 raise TimeoutError("the test never opened the gate")
 
         return self.inner.generate(params, on_step=step, should_stop=should_stop)
+
+    def __getattr__(self, name: str) -> Any:
+        """Everything else (check_inputs, generate_frames for realtime frames) is the real pipeline's."""
+        return getattr(self.inner, name)

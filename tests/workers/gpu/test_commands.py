@@ -66,8 +66,11 @@ def test_it_serves_jobs_as_a_command_and_stops_on_sigterm(models_dir: Path) -> N
             assert process.returncode == 0, stderr.decode()[-2000:]
             assert hello["worker_id"] == "command-test:0"
             assert [m["model_id"] for m in hello["models"]] == ["tiny-sd"]
+            (model,) = hello["models"]  # frames measured at load: slots depend on this machine's speed
+            assert model["frame_ms_p95"] > 0 and model["realtime"] == (model["realtime_slots"] > 0)
             assert result["images"] and result["rung"] == "full"
             assert f"job {job_id}" in stderr.decode()  # one log line per job
+            assert "realtime slot(s) within 500 ms" in stderr.decode()  # what the measurement found
 
     run_async(body())
 
@@ -75,11 +78,12 @@ def test_it_serves_jobs_as_a_command_and_stops_on_sigterm(models_dir: Path) -> N
 def test_it_exits_with_an_error_when_the_token_is_refused(models_dir: Path) -> None:
     async def body() -> None:
         async with FakeApi(refuse_token=True) as fake:
-            process = await manage(*worker_args(fake, models_dir, "wrong"))
+            process = await manage(*worker_args(fake, models_dir, "wrong"), "--no-realtime")
             _, stderr = await asyncio.wait_for(process.communicate(), TEST_SECONDS)
 
         assert process.returncode != 0
         assert "refused the worker token" in stderr.decode()
+        assert "realtime slot" not in stderr.decode()  # --no-realtime measures nothing
 
     run_async(body())
 

@@ -27,6 +27,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_ms(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of milliseconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected more than 0 ms, got {text!r}")
+    return value
+
+
 class Command(BaseCommand):
     help = "Run a GPU worker that serves the models installed in --models-dir to the API at --api."
 
@@ -50,20 +60,32 @@ class Command(BaseCommand):
                             help="a pretend VRAM budget in MiB, for the memory ladder without CUDA")
         parser.add_argument("--worker-id", default=None, help="default: HOSTNAME:DEVICE_INDEX")
         parser.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
+        parser.add_argument("--frame-budget-ms", type=_positive_ms, default=None,
+                            help="per-frame p95 budget that realtime slots are sized to "
+                                 "(default: $FRAME_BUDGET_MS or 500)")
+        parser.add_argument("--no-realtime", action="store_true",
+                            help="skip the frame measurement at load and serve no live sessions")
 
     def handle(self, *args: Any, **options: Any) -> None:
         # Imported here: the worker program is not part of the API process.
         from workers.gpu.client import TokenRefused
+        from workers.gpu.frames import frame_budget_ms_from_env
         from workers.gpu.main import WorkerOptions, WorkerStartError, run_worker
         from workers.gpu.models import parse_model_ids
 
         if not options["token"]:
             raise CommandError("a worker token is required: --token TOKEN or WORKER_TOKEN")
+        budget_ms = options["frame_budget_ms"]
+        if budget_ms is None:
+            try:
+                budget_ms = frame_budget_ms_from_env()
+            except ValueError as exc:
+                raise CommandError(str(exc)) from exc
         worker_options = WorkerOptions(
             api=options["api"], token=options["token"], models_dir=Path(options["models_dir"]),
             models=parse_model_ids(options["models"]), memory_mode=options["memory_mode"],
             device=options["device"], vram_mib=options["vram_mib"], worker_id=options["worker_id"],
-            threads=options["threads"])
+            threads=options["threads"], frame_budget_ms=budget_ms, realtime=not options["no_realtime"])
         try:
             run_worker(worker_options)
         except (WorkerStartError, TokenRefused) as exc:

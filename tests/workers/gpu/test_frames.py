@@ -1,0 +1,265 @@
+"""Realtime frames: the slot rule, the measurement loop, batching and the session table (no socket)."""
+from __future__ import annotations
+
+import base64
+import io
+import random
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+
+from workers.gpu.frames import (
+    Frame,
+    FrameQueue,
+    FrameRunner,
+    RealtimeCapacity,
+    SessionParams,
+    batch_sizes,
+    call_strength,
+    denoise_steps,
+    frame_budget_ms_from_env,
+    group_frames,
+    measure_batches,
+    measure_capacity,
+    p95,
+    slots_from_measurements,
+    smallest_size,
+)
+from workers.gpu.pipelines import FrameRequest, InvalidParams
+from workers.gpu.sessions import BadFrame, LiveSession, SessionTable, parse_frame, session_params
+
+DEFAULT = SessionParams(width=64, height=64, steps=2, guidance_scale=7.5, seed=1)
+BIG = SessionParams(width=128, height=64, steps=2, guidance_scale=7.5, seed=1)
+CAPACITY = RealtimeCapacity(frame_ms_p95=200.0, slots=2, width=64, height=64, steps=2, measured={})
+
+
+def png_b64(rgb: tuple[int, int, int], size: tuple[int, int] = (64, 64)) -> str:
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", size, rgb).save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def frame(session: str, seq: int = 1, *, model: str = "m", params: SessionParams = DEFAULT,
+          strength: float = 1.0, image: str = "") -> Frame:
+    return Frame(session_id=session, seq=seq, model_id=model, params=params, prompt=f"{session} {seq}",
+                 strength=strength, image=image)
+
+
+@pytest.mark.parametrize(("measured", "budget", "expected"), [
+    ({1: [100, 120, 110], 2: [180, 190], 4: [390, 410], 8: [900]}, 500, (120, 4)),
+    ({1: [100], 2: [180], 4: [501]}, 500, (100, 2)),
+    ({1: [100], 2: [180], 4: [500]}, 500, (100, 4)),  # within the budget means at most it
+    ({1: [600]}, 500, (600, 0)),  # too slow for even one session: no realtime
+    ({1: [100, 100, 100, 700]}, 500, (700, 0)),  # p95 of a few samples is the slowest one
+    ({1: [100], 2: [900], 4: [300]}, 500, (100, 1)),  # no size counts after one over budget
+    ({1: [100], 2: []}, 500, (100, 1)),
+    ({}, 500, (None, 0)),
+    ({1: [40], 2: [60], 4: [90], 8: [160], 16: [300]}, 500, (40, 16)),
+    ({1: [40], 2: [60], 4: [90]}, 50, (40, 1)),
+])
+def test_it_counts_slots_as_the_largest_batch_within_the_budget_at_p95(
+        measured: dict[int, list[float]], budget: float, expected: tuple[float | None, int]) -> None:
+    assert slots_from_measurements(measured, budget) == expected
+
+
+@pytest.mark.parametrize(("samples", "expected"), [
+    ([5.0], 5.0), ([3.0, 1.0, 2.0], 3.0), (list(range(1, 21)), 19), (list(range(1, 101)), 95)])
+def test_it_takes_the_nearest_rank_p95(samples: list[float], expected: float) -> None:
+    assert p95(samples) == expected
+
+
+@pytest.mark.parametrize(("cap", "sizes"), [(16, [1, 2, 4, 8, 16]), (1, [1]), (6, [1, 2, 4, 6]), (0, [])])
+def test_it_measures_powers_of_two_up_to_the_cap(cap: int, sizes: list[int]) -> None:
+    assert batch_sizes(cap) == sizes
+
+
+class FakeClock:
+    """Time moves only when a fake batch runs: `cost(size)` milliseconds."""
+
+    def __init__(self, cost: Any):
+        self.now, self.cost, self.calls = 0.0, cost, []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def run(self, size: int) -> None:
+        self.calls.append(size)
+        self.now += self.cost(size, len(self.calls)) / 1000
+
+
+def test_it_measures_until_a_batch_is_over_budget_and_stops_that_batch_at_once() -> None:
+    clock = FakeClock(lambda size, call: 100 + 120 * size)  # 220, 340, 580 ms
+    measured = measure_batches(clock.run, 500, repeats=3, clock=clock)
+
+    assert clock.calls == [1, 1, 1, 1, 2, 2, 2, 4]  # a warm-up, three of each, one of 4
+    assert measured == {1: pytest.approx([220] * 3), 2: pytest.approx([340] * 3), 4: pytest.approx([580])}
+    assert slots_from_measurements(measured, 500) == (pytest.approx(220), 2)
+
+
+def test_it_stops_growing_the_batch_when_measuring_took_too_long() -> None:
+    clock = FakeClock(lambda size, call: 10 * size)
+    measured = measure_batches(clock.run, 500, repeats=2, clock=clock, max_seconds=0.05)
+
+    assert sorted(measured) == [1, 2]  # 10 + 2x10 + 2x20 ms > 50 ms after batch 2
+    assert measure_batches(FakeClock(lambda s, c: 1.0).run, 500, cap=4, clock=FakeClock(lambda s, c: 0)) \
+        .keys() == {1, 2, 4}
+
+
+@pytest.mark.parametrize(("spec", "expected"), [
+    ({"enum": [512, 64, 128]}, 64), ({"enum": [100, 256]}, 256), ({"minimum": 60}, 64), ({"minimum": 0}, 96),
+    ({}, 96), ({"enum": []}, 96)])
+def test_it_finds_the_smallest_size_the_schema_allows(spec: dict[str, Any], expected: int) -> None:
+    assert smallest_size({"properties": {"width": spec}}, "width", 96) == expected
+
+
+@pytest.mark.parametrize(("text", "expected"), [(None, 500.0), ("", 500.0), ("250", 250.0), (" 80.5 ", 80.5)])
+def test_it_reads_the_frame_budget_from_the_environment(text: str | None, expected: float) -> None:
+    assert frame_budget_ms_from_env({} if text is None else {"FRAME_BUDGET_MS": text}) == expected
+
+
+@pytest.mark.parametrize("text", ["fast", "0", "-5"])
+def test_it_refuses_a_bad_frame_budget(text: str) -> None:
+    with pytest.raises(ValueError, match="FRAME_BUDGET_MS"):
+        frame_budget_ms_from_env({"FRAME_BUDGET_MS": text})
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3, 4, 7, 10, 25, 50])
+def test_it_gives_each_strength_the_denoising_steps_diffusers_would(steps: int) -> None:
+    for strength in [i / 100 for i in range(101)]:
+        wanted = denoise_steps(steps, strength)
+        assert wanted == max(1, min(int(steps * strength), steps))
+        shared = call_strength(steps, wanted)
+        assert 0 < shared <= 1 and min(int(steps * shared), steps) == wanted  # diffusers' get_timesteps
+
+
+@pytest.mark.parametrize(("frames", "max_batch", "expected"), [
+    ([frame("a"), frame("b"), frame("c")], {"m": 2}, [["a1", "b1"], ["c1"]]),
+    ([frame("a"), frame("b")], {}, [["a1"], ["b1"]]),  # an unknown model: one frame a call
+    ([frame("a"), frame("b", model="n"), frame("c")], {"m": 4, "n": 4}, [["a1", "c1"], ["b1"]]),
+    ([frame("a"), frame("b", params=BIG), frame("c")], {"m": 4}, [["a1", "c1"], ["b1"]]),  # sizes never mix
+    ([frame("a", strength=0.6), frame("b", strength=0.9), frame("c", strength=1.0)], {"m": 4},
+     [["a1", "b1"], ["c1"]]),  # 0.6 and 0.9 of 2 steps both denoise 1 step; 1.0 denoises 2
+    ([frame("a", strength=0.1), frame("b", strength=0.5)], {"m": 4}, [["a1", "b1"]]),  # at least one step
+    ([frame("a", 1), frame("b", 1), frame("a", 2)], {"m": 4}, [["a2", "b1"]]),  # the newest frame of a
+    ([], {"m": 4}, []),
+])
+def test_it_groups_compatible_frames_into_batches(frames: list[Frame], max_batch: dict[str, int],
+                                                  expected: list[list[str]]) -> None:
+    batches = group_frames(frames, max_batch)
+
+    assert [[f"{f.session_id}{f.seq}" for f in batch] for batch in batches] == expected
+
+
+def test_it_keeps_only_the_newest_queued_frame_of_a_session() -> None:
+    queue = FrameQueue()
+
+    assert queue.put(frame("a", 1)) is True  # it was empty: wake the thread
+    assert queue.put(frame("b", 1)) is False
+    assert queue.put(frame("a", 3)) is False
+    assert queue.put(frame("a", 2)) is False  # older than the one queued: dropped
+    queue.drop_session("b")
+    assert [(f.session_id, f.seq) for f in queue.take()] == [("a", 3)]
+    assert queue.take() == []
+
+
+class RecordingPipeline:
+    rung = "full"
+
+    def __init__(self) -> None:
+        self.requests: list[FrameRequest] = []
+
+    def check_inputs(self, params: Any) -> Any:
+        raise NotImplementedError
+
+    def generate_frames(self, request: FrameRequest) -> list[Any]:
+        from PIL import Image
+
+        self.requests.append(request)
+        return [Image.new("RGB", (request.width, request.height)) for _ in request.prompts]
+
+
+def test_it_runs_a_batch_with_each_frames_own_prompt_and_seed_and_skips_undecodable_frames() -> None:
+    pipeline, posted, done = RecordingPipeline(), [], threading.Event()
+
+    def post(message: dict[str, Any]) -> None:
+        posted.append(message)
+        if len(posted) == 2:
+            done.set()
+
+    runner = FrameRunner({"m": pipeline}, {"m": 4}, post)
+    a = frame("a", 5, image=png_b64((255, 0, 0)), params=DEFAULT, strength=0.7)
+    b = frame("b", 9, image=png_b64((0, 0, 255)), params=SessionParams(64, 64, 2, 7.5, seed=42), strength=0.6)
+    for queued in (a, frame("bad", 1, image="bm90IGFuIGltYWdl"), b):
+        runner.queue.put(queued)
+
+    assert runner.run_pending() == 1
+    assert done.wait(10)
+    runner.close()
+    (request,) = pipeline.requests
+    assert request.prompts == ["a 5", "b 9"] and request.seeds == [1, 42]
+    assert request.strength == call_strength(2, 1) and request.steps == 2
+    assert [(m["session_id"], m["seq"], m["batch_size"]) for m in posted] == [("a", 5, 2), ("b", 9, 2)]
+    assert base64.b64decode(posted[0]["image"])[:2] == b"\xff\xd8"  # JPEG
+
+
+def test_it_refuses_a_session_when_its_model_has_no_free_slot() -> None:
+    table = SessionTable({"m": 2})
+    table.add(LiveSession("a", "m", DEFAULT))
+    table.add(LiveSession("b", "m", DEFAULT))
+
+    assert table.free("m") == 0 and table.free("other") == 0
+    table.remove("a")
+    assert table.free("m") == 1 and table.in_use("m") == 1
+
+
+def test_it_fills_in_the_session_defaults_and_checks_params_with_the_pipeline(tiny_pipeline: Any) -> None:
+    rng = random.Random(0)
+
+    assert session_params({}, CAPACITY, tiny_pipeline, rng).width == 64
+    chosen = session_params({"width": 128, "steps": 4, "seed": 7, "extra": 1}, CAPACITY, tiny_pipeline, rng)
+    assert chosen == SessionParams(width=128, height=64, steps=4, guidance_scale=7.5, seed=7)
+    for bad in ({"width": "64"}, {"width": 64.0}, {"steps": True}, {"width": 100}, {"steps": 0}, [1]):
+        with pytest.raises(InvalidParams):
+            session_params(bad, CAPACITY, tiny_pipeline, rng)
+
+
+@pytest.mark.parametrize("message", [
+    {"seq": "1", "image": "AAAA"}, {"seq": 1}, {"seq": 1, "image": ""}, {"seq": 1, "image": "AAAA", "params": []},
+    {"seq": 1, "image": "AAAA", "params": {"prompt": 3}}, {"seq": 1, "image": "AAAA", "params": {"strength": 2}},
+    {"seq": True, "image": "AAAA"}])
+def test_it_rejects_a_malformed_frame(message: dict[str, Any]) -> None:
+    with pytest.raises(BadFrame):
+        parse_frame(message, LiveSession("a", "m", DEFAULT), 0.0)
+
+
+def test_it_gives_each_frame_of_a_batch_what_it_would_get_alone(tiny_pipeline: Any) -> None:
+    from PIL import Image
+
+    red, blue = Image.new("RGB", (64, 64), (220, 20, 20)), Image.new("RGB", (64, 64), (20, 20, 220))
+
+    def request(prompts: list[str], images: list[Any], seeds: list[int]) -> FrameRequest:
+        return FrameRequest(prompts=prompts, images=images, seeds=seeds, width=64, height=64, steps=2,
+                            guidance_scale=7.5, strength=1.0)
+
+    batched = tiny_pipeline.generate_frames(request(["a red cat", "the blue sea"], [red, blue], [1, 2]))
+    alone = [tiny_pipeline.generate_frames(request([p], [i], [s]))[0]
+             for p, i, s in (("a red cat", red, 1), ("the blue sea", blue, 2))]
+
+    assert [image.size for image in batched] == [(64, 64), (64, 64)]
+    for together, solo in zip(batched, alone, strict=True):
+        difference = np.abs(np.asarray(together, dtype=int) - np.asarray(solo, dtype=int))
+        assert difference.max() <= 2  # float rounding in the batched UNet, no more
+    assert not np.array_equal(np.asarray(batched[0]), np.asarray(batched[1]))
+
+
+def test_it_measures_the_tiny_models_frames_at_the_session_defaults(tiny_pipeline: Any) -> None:
+    capacity = measure_capacity(tiny_pipeline, tiny_pipeline.model.params_schema, tiny_pipeline.default_size,
+                                budget_ms=60_000, cap=2, repeats=1)
+
+    assert (capacity.width, capacity.height, capacity.steps) == (64, 64, 2)
+    assert sorted(capacity.measured) == [1, 2] and capacity.slots == 2
+    assert capacity.frame_ms_p95 is not None and capacity.frame_ms_p95 > 0

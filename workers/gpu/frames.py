@@ -1,0 +1,400 @@
+"""Realtime frames: slot measurement at load, and batching on the denoising thread.
+
+Slots. At load, for each model on the full-residency rung that does img2img, `measure_capacity`
+times frames at the session defaults (the model's smallest allowed width and height,
+`SESSION_STEPS` steps, strength 1.0 so every step runs: the heaviest frame a default session can
+ask for) at batch sizes 1, 2, 4, ... up to `BATCH_CAP`. `slots_from_measurements` (pure) turns
+the timings into `frame_ms_p95` (batch 1) and `realtime_slots`: the largest measured batch size
+whose p95 stays within the frame budget, so that many sessions' frames fit in one call. Slots
+are counted at the measured sizes only (no interpolation between 4 and 8), and a batch size
+after a failing one never counts. p95 is the nearest-rank percentile: with the few samples taken
+here it is the slowest one, so one frame over budget ends the measurement.
+
+Batching. Frames wait in a `FrameQueue` that keeps only the newest frame per session. The
+denoising thread takes them all at once and `group_frames` (pure) puts frames of the same model,
+size, steps, guidance and denoising steps into one pipeline call of at most the model's slots.
+diffusers' img2img takes one strength per call, but uses it only as
+`int(steps * strength)` denoising steps; frames whose strengths give the same count share a
+call and get exactly what they would get alone, so each session keeps its own prompt, strength
+and seed.
+
+When frames run. Frames and jobs share the one denoising thread: pending frames run before the
+next job, and between two denoising steps of a running job (its step callback), so a long job
+delays frames by one step at most, not by the whole job. A batch of frames is never interrupted.
+"""
+from __future__ import annotations
+
+import base64
+import io
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from workers.gpu.pipelines import (
+    DEFAULT_GUIDANCE_SCALE,
+    SIZE_MULTIPLE,
+    FrameRequest,
+    GenerationRequest,
+    InvalidParams,
+    decode_image,
+)
+
+if TYPE_CHECKING:
+    from PIL.Image import Image
+
+log = logging.getLogger(__name__)
+
+FRAME_BUDGET_MS = 500.0  # PROTOCOL.md's default per-frame p95 budget
+SESSION_STEPS = 2  # a session's steps when session_start names none (and what slots are measured at)
+MEASURE_STRENGTH = 1.0  # every step runs: the heaviest frame of a default session
+BATCH_CAP = 16  # the largest batch measured, so the most slots a model advertises
+MEASURE_REPEATS = 4  # timed calls per batch size (after one warm-up call)
+MEASURE_SECONDS = 10.0  # no larger batch size is tried once measuring a model took this long
+JPEG_QUALITY = 85  # frame_result images: JPEG is a fraction of PNG's size for drawings
+
+
+def frame_budget_ms_from_env(environ: Mapping[str, str] = os.environ) -> float:
+    """FRAME_BUDGET_MS from the environment, default 500; a bad value fails loudly."""
+    text = environ.get("FRAME_BUDGET_MS", "").strip()
+    if not text:
+        return FRAME_BUDGET_MS
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"FRAME_BUDGET_MS must be a number of milliseconds, got {text!r}") from None
+    if not value > 0:
+        raise ValueError(f"FRAME_BUDGET_MS must be above 0, got {text!r}")
+    return value
+
+
+# --- slots (pure) -------------------------------------------------------------------------------
+
+
+def p95(samples: Sequence[float]) -> float:
+    """The nearest-rank 95th percentile (the slowest sample when there are 20 or fewer)."""
+    if not samples:
+        raise ValueError("p95 of no samples")
+    ordered = sorted(samples)
+    return ordered[max(0, math.ceil(0.95 * len(ordered)) - 1)]
+
+
+def batch_sizes(cap: int = BATCH_CAP) -> list[int]:
+    """1, 2, 4, ... up to cap (cap itself included when it is not a power of two)."""
+    sizes, size = [], 1
+    while size < cap:
+        sizes.append(size)
+        size *= 2
+    return [*sizes, cap] if cap >= 1 else []
+
+
+def slots_from_measurements(measured: Mapping[int, Sequence[float]], budget_ms: float) -> tuple[float | None, int]:
+    """(frame_ms_p95, realtime_slots) from {batch_size: [ms per call, ...]}.
+
+    frame_ms_p95 is batch 1's p95 (None when batch 1 was not measured); realtime_slots is the
+    largest batch size whose p95 is within budget_ms, counting up from the smallest and stopping
+    at the first size over budget (or with no samples).
+    """
+    frame_ms = p95(measured[1]) if measured.get(1) else None
+    slots = 0
+    for size in sorted(measured):
+        samples = measured[size]
+        if size < 1 or not samples or p95(samples) > budget_ms:
+            break
+        slots = size
+    return frame_ms, slots
+
+
+def smallest_size(schema: Mapping[str, Any], key: str, default: int) -> int:
+    """The smallest width (or height) a params_schema allows that the pipeline can run."""
+    spec = schema.get("properties", {}).get(key, {}) if isinstance(schema, Mapping) else {}
+    if isinstance(spec.get("enum"), list):
+        allowed = [v for v in spec["enum"] if isinstance(v, int) and v > 0 and v % SIZE_MULTIPLE == 0]
+        if allowed:
+            return min(allowed)
+    low = spec.get("minimum")
+    if isinstance(low, (int, float)) and low > 0:
+        return max(SIZE_MULTIPLE, math.ceil(low / SIZE_MULTIPLE) * SIZE_MULTIPLE)
+    return default
+
+
+# --- measuring ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RealtimeCapacity:
+    """What one model can do in realtime on this worker, as measured at load."""
+
+    frame_ms_p95: float | None
+    slots: int
+    width: int  # the session defaults the slots were measured at
+    height: int
+    steps: int
+    measured: Mapping[int, Sequence[float]]  # {batch_size: [ms, ...]}
+
+    @property
+    def realtime(self) -> bool:
+        return self.slots > 0
+
+
+def measure_batches(run_batch: Callable[[int], object], budget_ms: float, *, cap: int = BATCH_CAP,
+                    repeats: int = MEASURE_REPEATS, max_seconds: float = MEASURE_SECONDS,
+                    clock: Callable[[], float] = time.perf_counter) -> dict[int, list[float]]:
+    """Time run_batch(n) at n = 1, 2, 4, ... up to cap: {n: [ms, ...]}, after one warm-up call.
+
+    A batch size stops at its first call over budget (its p95 is over then), and no larger size
+    is tried after one over budget or once max_seconds have gone by.
+    """
+    started = clock()
+    run_batch(1)  # warm-up: the first call pays for lazy setup
+    measured: dict[int, list[float]] = {}
+    for size in batch_sizes(cap):
+        samples = measured.setdefault(size, [])
+        for _ in range(repeats):
+            before = clock()
+            run_batch(size)
+            samples.append((clock() - before) * 1000)
+            if samples[-1] > budget_ms:
+                break
+        if p95(samples) > budget_ms or clock() - started > max_seconds:
+            break
+    return measured
+
+
+def measure_capacity(pipeline: FramePipeline, schema: Mapping[str, Any], default_size: int, budget_ms: float,
+                     **measure: Any) -> RealtimeCapacity:
+    """Measure one model's frames at the session defaults (see the module docstring)."""
+    from PIL import Image as PILImage
+
+    width = smallest_size(schema, "width", default_size)
+    height = smallest_size(schema, "height", default_size)
+    image = PILImage.new("RGB", (width, height), (128, 128, 128))
+
+    def run_batch(size: int) -> None:
+        pipeline.generate_frames(FrameRequest(
+            prompts=["a quick sketch"] * size, images=[image] * size, seeds=list(range(size)), width=width,
+            height=height, steps=SESSION_STEPS, guidance_scale=DEFAULT_GUIDANCE_SCALE, strength=MEASURE_STRENGTH))
+
+    measured = measure_batches(run_batch, budget_ms, **measure)
+    frame_ms, slots = slots_from_measurements(measured, budget_ms)
+    return RealtimeCapacity(frame_ms_p95=None if frame_ms is None else round(frame_ms, 1), slots=slots,
+                            width=width, height=height, steps=SESSION_STEPS, measured=measured)
+
+
+def describe(model_id: str, capacity: RealtimeCapacity, budget_ms: float) -> str:
+    """One log line about a model's measured frames."""
+    p95s = ", ".join(f"{size}: {p95(ms):.0f}" for size, ms in sorted(capacity.measured.items()) if ms)
+    return (f"{model_id}: frame p95 {capacity.frame_ms_p95} ms at {capacity.width}x{capacity.height}, "
+            f"{capacity.steps} steps; {capacity.slots} realtime slot(s) within {budget_ms:g} ms "
+            f"(batch p95 ms {{{p95s}}})")
+
+
+# --- frames and batches (pure) ------------------------------------------------------------------
+
+
+class FramePipeline(Protocol):
+    """What realtime needs of a loaded model (pipelines.DiffusersPipeline)."""
+
+    rung: str
+
+    def check_inputs(self, params: Any) -> GenerationRequest: ...
+
+    def generate_frames(self, request: FrameRequest) -> list[Image]: ...
+
+
+@dataclass(frozen=True)
+class SessionParams:
+    """A live session's fixed parameters (from session_start, defaults filled in)."""
+
+    width: int
+    height: int
+    steps: int
+    guidance_scale: float
+    seed: int
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One frame of a live session, as received; the image is decoded on the denoising thread."""
+
+    session_id: str
+    seq: int
+    model_id: str
+    params: SessionParams
+    prompt: str
+    strength: float
+    image: str  # bare base64 PNG or JPEG
+    received: float = 0.0
+
+
+def denoise_steps(steps: int, strength: float) -> int:
+    """The denoising steps diffusers' img2img runs: int(steps x strength), at least 1."""
+    return max(1, min(int(steps * strength), steps))
+
+
+def call_strength(steps: int, denoised: int) -> float:
+    """A strength that gives exactly `denoised` steps of `steps` (clear of float rounding)."""
+    return 1.0 if denoised >= steps else (denoised + 0.5) / steps
+
+
+BatchKey = tuple[str, int, int, int, float, int]
+
+
+def batch_key(frame: Frame) -> BatchKey:
+    """Frames with equal keys can share one pipeline call."""
+    p = frame.params
+    return (frame.model_id, p.width, p.height, p.steps, p.guidance_scale, denoise_steps(p.steps, frame.strength))
+
+
+def newest_per_session(frames: Sequence[Frame]) -> list[Frame]:
+    """One frame per session, the one with the highest seq, at its session's first place."""
+    newest: dict[str, Frame] = {}
+    for frame in frames:
+        held = newest.get(frame.session_id)
+        if held is None or frame.seq >= held.seq:
+            newest[frame.session_id] = frame
+    return list(newest.values())
+
+
+def group_frames(frames: Sequence[Frame], max_batch: Mapping[str, int]) -> list[list[Frame]]:
+    """Batches for one pipeline call each, in order of their first frame; at most max_batch[model]
+    frames each (1 for a model not named); only the newest frame per session."""
+    groups: dict[BatchKey, list[Frame]] = {}
+    for frame in newest_per_session(frames):
+        groups.setdefault(batch_key(frame), []).append(frame)
+    batches: list[list[Frame]] = []
+    for key, group in groups.items():
+        size = max(1, max_batch.get(key[0], 1))
+        batches.extend(group[i:i + size] for i in range(0, len(group), size))
+    return batches
+
+
+def encode_jpeg_b64(image: Image, quality: int = JPEG_QUALITY) -> str:
+    """frame_result.image: bare base64 JPEG."""
+    buffer = io.BytesIO()
+    image.convert("RGB").save(buffer, format="JPEG", quality=quality)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+# --- the queue and the runner (threads) ---------------------------------------------------------
+
+
+class FrameQueue:
+    """Pending frames, newest per session only; safe to use from any thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: dict[str, Frame] = {}
+
+    def put(self, frame: Frame) -> bool:
+        """Queue a frame (an older pending frame of its session is replaced; an older frame than
+        the pending one is dropped); True when the queue was empty before."""
+        with self._lock:
+            was_empty = not self._pending
+            held = self._pending.get(frame.session_id)
+            if held is None or frame.seq >= held.seq:
+                self._pending[frame.session_id] = frame
+            return was_empty
+
+    def take(self) -> list[Frame]:
+        with self._lock:
+            frames, self._pending = list(self._pending.values()), {}
+            return frames
+
+    def drop_session(self, session_id: str) -> None:
+        with self._lock:
+            self._pending.pop(session_id, None)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._pending.clear()
+
+
+PostFrame = Callable[[dict[str, Any]], None]
+
+
+class FrameRunner:
+    """Runs queued frames in batches on the denoising thread; encodes results on its own thread.
+
+    `post` gets each frame_result message (from the encoder thread). `busy_seconds` adds up the
+    time spent in pipeline calls, so a job that frames ran inside can leave it out of its gpu_ms.
+    """
+
+    def __init__(self, pipelines: Mapping[str, FramePipeline], max_batch: Mapping[str, int], post: PostFrame, *,
+                 encode: Callable[[Image], str] = encode_jpeg_b64, clock: Callable[[], float] = time.monotonic):
+        self.queue = FrameQueue()
+        self.runs: list[tuple[float, int]] = []  # (clock at start, batch size) of every batch run, in order
+        self.busy_seconds = 0.0
+        self._pipelines = pipelines
+        self._max_batch = dict(max_batch)
+        self._post = post
+        self._encode = encode
+        self._clock = clock
+        # Its own encoder, so a frame never waits behind a big job's PNG.
+        self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="frame-encode")
+
+    def run_pending(self) -> int:
+        """On the denoising thread: run every pending frame now, batched; return the batches run."""
+        frames = self.queue.take()
+        if not frames:
+            return 0
+        ran = 0
+        for batch in group_frames(frames, self._max_batch):
+            ran += self._run_batch(batch)
+        return ran
+
+    def _run_batch(self, batch: list[Frame]) -> int:
+        decoded: list[tuple[Frame, Image]] = []
+        for frame in batch:
+            try:
+                decoded.append((frame, decode_image(frame.image)))
+            except InvalidParams as exc:
+                log.warning("session %s: frame %s dropped: %s", frame.session_id, frame.seq, exc)
+        pipeline = self._pipelines.get(batch[0].model_id)
+        if not decoded or pipeline is None:
+            return 0
+        params = batch[0].params
+        denoised = denoise_steps(params.steps, batch[0].strength)
+        request = FrameRequest(
+            prompts=[f.prompt for f, _ in decoded], images=[image for _, image in decoded],
+            seeds=[f.params.seed for f, _ in decoded], width=params.width, height=params.height, steps=params.steps,
+            guidance_scale=params.guidance_scale, strength=call_strength(params.steps, denoised))
+        started = self._clock()
+        try:
+            images = pipeline.generate_frames(request)
+        except Exception:  # one bad batch must not end the denoising loop
+            self.busy_seconds += self._clock() - started
+            log.exception("a batch of %d frame(s) of %s failed", len(decoded), batch[0].model_id)
+            return 0
+        elapsed = self._clock() - started
+        self.busy_seconds += elapsed
+        gpu_ms = round(elapsed * 1000, 1)
+        self.runs.append((started, len(decoded)))
+        try:
+            self._encoder.submit(self._send, [f for f, _ in decoded], images, gpu_ms)
+        except RuntimeError:  # the encoder was shut down: the worker is stopping
+            pass
+        return 1
+
+    def _send(self, frames: list[Frame], images: list[Image], gpu_ms: float) -> None:
+        for frame, image in zip(frames, images, strict=True):
+            try:
+                encoded = self._encode(image)
+            except Exception:
+                log.exception("session %s: frame %s could not be encoded", frame.session_id, frame.seq)
+                continue
+            self._post({"type": "frame_result", "session_id": frame.session_id, "seq": frame.seq,
+                        "image": encoded, "gpu_ms": gpu_ms, "batch_size": len(frames)})
+
+    @property
+    def batch_sizes(self) -> list[int]:
+        return [size for _, size in self.runs]
+
+    def close(self) -> None:
+        self.queue.clear()
+        self._encoder.shutdown(wait=False, cancel_futures=True)
