@@ -47,3 +47,21 @@ def alice(make_account):
 @pytest.fixture
 def bob(make_account):
     return make_account("bob")
+
+
+@pytest.fixture
+async def workers(token):
+    """Factory of fake workers (tests/helpers.FakeWorker) presenting the module's `token` fixture
+    (or another token); every one still open is closed at the end."""
+    from tests.helpers import FakeWorker, close_sync_thread_connections
+
+    made: list[FakeWorker] = []
+
+    def make(worker_id: str = "host-a:0", *, token: str | None = token) -> FakeWorker:
+        made.append(FakeWorker(token, worker_id))
+        return made[-1]
+
+    yield make
+    for worker in made:
+        await worker.close()
+    await close_sync_thread_connections()

@@ -94,12 +94,16 @@ class JobResult:
     rung: str
 
 
-def parse_job_id(message: dict[str, Any]) -> str:
-    value = _str(message, "job_id", max_length=64)
+def _uuid(message: dict[str, Any], name: str) -> str:
+    value = _str(message, name, max_length=64)
     try:
         return str(uuid.UUID(value))
     except ValueError:
-        raise MessageError("job_id must be a UUID string") from None
+        raise MessageError(f"{name} must be a UUID string") from None
+
+
+def parse_job_id(message: dict[str, Any]) -> str:
+    return _uuid(message, "job_id")
 
 
 def parse_job_progress(message: dict[str, Any]) -> tuple[str, int, int]:
@@ -143,11 +147,7 @@ class RungChanged:
 
 
 def parse_session_id(message: dict[str, Any]) -> str:
-    value = _str(message, "session_id", max_length=64)
-    try:
-        return str(uuid.UUID(value))
-    except ValueError:
-        raise MessageError("session_id must be a UUID string") from None
+    return _uuid(message, "session_id")
 
 
 def parse_session_refused(message: dict[str, Any]) -> tuple[str, str]:

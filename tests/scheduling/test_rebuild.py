@@ -12,9 +12,7 @@ from scheduling.dispatcher import reset_dispatcher
 from scheduling.models import Job, JobState
 from scheduling.services import JobRequest, job_submit
 from tests.helpers import (
-    FakeWorker,
     api_client,
-    close_sync_thread_connections,
     job_row,
     job_states,
     register_model,
@@ -99,20 +97,6 @@ def token(transactional_db) -> str:
 
     register_model("tiny-a")
     return worker_token_create(name="hosts")
-
-
-@pytest.fixture
-async def workers(token):
-    made: list[FakeWorker] = []
-
-    def make(worker_id: str) -> FakeWorker:
-        made.append(FakeWorker(token, worker_id))
-        return made[-1]
-
-    yield make
-    for worker in made:
-        await worker.close()
-    await close_sync_thread_connections()
 
 
 @database_sync_to_async

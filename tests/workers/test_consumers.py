@@ -11,9 +11,7 @@ from django.core.management import call_command
 
 from scheduling.services import JobRequest, job_submit
 from tests.helpers import (
-    FakeWorker,
     api_client,
-    close_sync_thread_connections,
     eventually,
     hello,
     job_row,
@@ -43,21 +41,6 @@ def models(db):
 @pytest.fixture
 def token(db) -> str:
     return worker_token_create(name="host-a")
-
-
-@pytest.fixture
-async def workers(db, token):
-    """Make fake workers with the worker token; every one still open is closed at the end."""
-    made: list[FakeWorker] = []
-
-    def make(worker_id: str = "host-a:0", *, token: str | None = token) -> FakeWorker:
-        made.append(FakeWorker(token, worker_id))
-        return made[-1]
-
-    yield make
-    for worker in made:
-        await worker.close()
-    await close_sync_thread_connections()
 
 
 @database_sync_to_async
