@@ -7,6 +7,7 @@ as healthchecks' envint/envbool do.
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import dj_database_url
@@ -97,6 +98,9 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    # Serves /static/ (the drawing page's JS and the admin's files) straight from the apps' static
+    # folders: no collectstatic, no build step, no separate file server.
+    "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -185,6 +189,9 @@ USE_TZ = True
 
 STATIC_URL = "static/"
 STATIC_ROOT = BASE_DIR / "staticfiles"
+WHITENOISE_USE_FINDERS = True
+# STATIC_ROOT exists only after an optional collectstatic; the finders serve the files without it.
+warnings.filterwarnings("ignore", message=r"No directory at: .*staticfiles")
 MEDIA_URL = "/media/"
 MEDIA_ROOT = Path(envstr("MEDIA_ROOT", str(BASE_DIR / "media")) or "")
 

@@ -12,6 +12,7 @@ from rest_framework.routers import SimpleRouter
 
 from models_registry.api import ModelListView
 from realtime.api import UsageView
+from realtime.views import drawing_page
 from scheduling.api import JobViewSet, QueuesView
 
 router = SimpleRouter(trailing_slash=True)
@@ -27,6 +28,7 @@ def api_root(request: Request) -> Response:
 
 
 urlpatterns = [
+    path("", drawing_page, name="drawing"),
     path("api/v1/", api_root, name="api-root"),
     path("api/v1/", include(router.urls)),
     path("api/v1/models/", ModelListView.as_view(), name="models"),

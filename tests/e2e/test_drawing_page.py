@@ -1,0 +1,200 @@
+"""The drawing page in a real headless Chromium (Debian's `chromium`, driven by Playwright from PyPI)
+against real Daphne, with a fake worker socket that answers every frame.
+
+Skipped where Playwright or /usr/bin/chromium is missing. Never runs `playwright install`: the
+browser is the system's.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import re
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from potocolom.stack import Stack
+
+CHROMIUM = Path("/usr/bin/chromium")
+playwright_sync = pytest.importorskip("playwright.sync_api", reason="Playwright is not installed",
+                                      exc_type=ImportError)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300),
+              pytest.mark.skipif(not CHROMIUM.exists(), reason=f"no Chromium at {CHROMIUM}")]
+
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync"]
+SCREENSHOT = Path("/tmp/drawing.png")
+WAIT_MS = 15_000
+MANIFESTS = [
+    {"model_id": "tiny-sd", "tier": "draft", "cost": 1.0, "capabilities": ["txt2img", "img2img"]},
+    {"model_id": "big-sd", "tier": "premium", "cost": 5.0, "capabilities": ["txt2img", "img2img"]},
+    {"model_id": "text-only", "tier": "draft", "cost": 0.5, "capabilities": ["txt2img"]},
+]
+
+
+def inverted(png_b64: str) -> str:
+    """The worker's 'output': the browser's canvas with its colours inverted, as bare base64 PNG."""
+    from PIL import Image, ImageOps
+
+    image = Image.open(io.BytesIO(base64.b64decode(png_b64))).convert("RGB")
+    out = io.BytesIO()
+    ImageOps.invert(image).save(out, format="PNG")
+    return base64.b64encode(out.getvalue()).decode()
+
+
+class FrameWorker(threading.Thread):
+    """A worker on /ws/worker/ (the `websockets` package, in its own thread and event loop) that
+    accepts every session_start and answers every frame with a frame_result."""
+
+    def __init__(self, ws_url: str, token: str, *, worker_id: str = "fake-gpu:0", slots: int = 1) -> None:
+        super().__init__(name="frame-worker", daemon=True)
+        self.url = f"{ws_url}/ws/worker/?token={token}"
+        self.worker_id, self.slots = worker_id, slots
+        self.received: list[dict[str, Any]] = []
+        self.welcomed = threading.Event()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.stopping: asyncio.Event | None = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            asyncio.run(self.serve())
+        except BaseException as exc:  # reported by the test through `error`
+            self.error = exc
+            self.welcomed.set()
+
+    def frames(self) -> list[dict[str, Any]]:
+        return [m for m in list(self.received) if m.get("type") == "frame"]
+
+    async def serve(self) -> None:
+        import websockets
+
+        self.loop, self.stopping = asyncio.get_running_loop(), asyncio.Event()
+        async with websockets.connect(self.url, max_size=None) as ws:
+            await ws.send(json.dumps({"type": "hello", "worker_id": self.worker_id, "gpu": None, "models": [
+                {"model_id": m["model_id"], "rung": "full", "realtime": True, "frame_ms_p95": 40.0,
+                 "realtime_slots": self.slots} for m in MANIFESTS]}))
+            welcome = json.loads(await ws.recv())
+            assert welcome["type"] == "welcome", welcome
+            self.welcomed.set()
+            tasks = [asyncio.create_task(self.beat(ws, welcome["heartbeat_seconds"])),
+                     asyncio.create_task(self.answer(ws))]
+            await self.stopping.wait()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def beat(self, ws: Any, seconds: float) -> None:
+        while True:
+            await asyncio.sleep(seconds)
+            await ws.send(json.dumps({"type": "heartbeat"}))
+
+    async def answer(self, ws: Any) -> None:
+        async for raw in ws:
+            message = json.loads(raw)
+            self.received.append(message)
+            if message["type"] == "session_start":
+                await ws.send(json.dumps({"type": "session_accepted", "session_id": message["session_id"]}))
+            elif message["type"] == "frame":
+                await ws.send(json.dumps({"type": "frame_result", "session_id": message["session_id"],
+                                          "seq": message["seq"], "image": inverted(message["image"]),
+                                          "gpu_ms": 5.0, "batch_size": 1}))
+
+    def stop(self) -> None:
+        if self.loop is not None and self.stopping is not None and self.is_alive():
+            self.loop.call_soon_threadsafe(self.stopping.set)
+        self.join(10)
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[tuple[Stack, FrameWorker]]:
+    """Daphne on a fresh database with alice (password "pw"), three models, and a fake worker
+    holding one realtime slot per model."""
+    with Stack(workdir=tmp_path) as stack:
+        stack.manage("migrate", "--noinput")
+        stack.manage("create_account", "alice", "--password", "pw")
+        worker_token = stack.manage("create_worker_token", "browser-test")
+        manifests = tmp_path / "manifests.json"
+        manifests.write_text(json.dumps([
+            {**m, "pipeline": "StableDiffusionPipeline", "source": f"models/{m['model_id']}",
+             "params_schema": {"type": "object", "properties": {"prompt": {"type": "string"}}}}
+            for m in MANIFESTS]))
+        assert stack.manage("load_manifests", str(manifests)) == "loaded 3"
+        stack.start_api()
+        worker = FrameWorker(stack.ws_url, worker_token)
+        worker.start()
+        assert worker.welcomed.wait(30) and worker.error is None, worker.error
+        try:
+            yield stack, worker
+        finally:
+            worker.stop()
+
+
+def test_it_draws_sees_the_output_and_is_told_about_the_session_limit(served: tuple[Stack, FrameWorker]) -> None:
+    from playwright.sync_api import expect, sync_playwright
+
+    stack, worker = served
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
+        try:
+            context = chromium.new_context(viewport={"width": 1000, "height": 720})
+            page = context.new_page()
+
+            # 1. The page asks for a login, and the login form leads back to it.
+            page.goto(f"{stack.http_url}/")
+            expect(page).to_have_url(f"{stack.http_url}/accounts/login/?next=/")
+            page.fill("#id_username", "alice")
+            page.fill("#id_password", "pw")
+            page.click("button[type=submit]")
+            expect(page).to_have_url(f"{stack.http_url}/")
+
+            # 2. The img2img models are offered, the cheapest picked; the session goes live.
+            options = page.locator("#model option")
+            expect(options).to_have_count(2)
+            assert page.locator("#model").input_value() == "tiny-sd"
+            expect(page.locator("#status")).to_have_text("live on fake-gpu:0", timeout=WAIT_MS)
+            assert worker.frames() == [], "a frame was sent before anything was drawn"
+
+            # 3. A stroke goes out as a frame; the worker's answer shows as the output image.
+            page.fill("#prompt", "a blue wave")
+            box = page.locator("#canvas").bounding_box()
+            assert box is not None
+            page.mouse.move(box["x"] + 60, box["y"] + 80)
+            page.mouse.down()
+            for step in range(1, 21):
+                page.mouse.move(box["x"] + 60 + step * 12, box["y"] + 80 + (step % 5) * 20)
+            page.mouse.up()
+            expect(page.locator("#output")).to_have_attribute("src", re.compile(r"^data:image/png;base64,"),
+                                                              timeout=WAIT_MS)
+            frames = worker.frames()
+            assert frames and frames[-1]["params"] == {"prompt": "a blue wave", "strength": 0.6}
+            assert [f["seq"] for f in frames] == sorted({f["seq"] for f in frames}), "seqs must grow"
+            page.wait_for_function(
+                "() => !document.getElementById('output').src.endsWith('base64,') && "
+                "document.getElementById('output').naturalWidth === 256")
+            page.screenshot(path=str(SCREENSHOT), full_page=True)
+
+            # Nothing changes on the page: no more frames go out (a fixed wait only to prove an absence).
+            page.wait_for_timeout(1500)
+            settled = len(worker.frames())
+            page.wait_for_timeout(1000)
+            assert len(worker.frames()) == settled, "frames were sent although nothing changed"
+
+            # 4. A second page of the same account waits for the one slot; a third is refused (4003).
+            second = context.new_page()
+            second.goto(f"{stack.http_url}/")
+            expect(second.locator("#status")).to_have_text("queued: position 1", timeout=WAIT_MS)
+            third = context.new_page()
+            third.goto(f"{stack.http_url}/")
+            expect(third.locator("#status")).to_have_text("closed: you already have two live sessions",
+                                                          timeout=WAIT_MS)
+            # Refused is final: the third page does not retry.
+            third.wait_for_timeout(1500)
+            expect(third.locator("#status")).to_have_text("closed: you already have two live sessions")
+        finally:
+            chromium.close()
