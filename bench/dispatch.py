@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import contextlib
 import json
 import os
@@ -31,15 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import websockets  # noqa: E402
 
-from potocolom.stack import ROOT, Stack  # noqa: E402
+from potocolom.stack import ROOT, TINY_PNG_B64, Stack, fake_manifest  # noqa: E402
 
 MODEL = "bench-model"
-MANIFEST = {"model_id": MODEL, "tier": "draft", "cost": 1.0, "capabilities": ["txt2img"],
-            "pipeline": "StableDiffusionPipeline", "source": "bench/none",
-            "params_schema": {"type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}}}
-PNG = base64.b64encode(bytes.fromhex(
-    "89504e470d0a1a0a0000000d4948445200000001000000010802000000907753de0000000c4944415408d763f8cfc0000003"
-    "0101001878fd0a0000000049454e44ae426082")).decode()
 
 
 def percentile(values: list[float], p: float) -> float:
@@ -107,8 +100,8 @@ class FakeWorker:
                 elif message["type"] == "job":
                     self.arrived[message["job_id"]] = time.perf_counter()
                     await ws.send(json.dumps({"type": "job_started", "job_id": message["job_id"]}))
-                    await ws.send(json.dumps({"type": "job_result", "job_id": message["job_id"], "images": [PNG],
-                                              "gpu_ms": 0.0, "rung": "full"}))
+                    await ws.send(json.dumps({"type": "job_result", "job_id": message["job_id"],
+                                              "images": [TINY_PNG_B64], "gpu_ms": 0.0, "rung": "full"}))
                     self.finished += 1
 
 
@@ -213,9 +206,7 @@ def main() -> None:
           f"channel layer: {'Redis' if os.environ.get('REDIS_URL') else 'in-memory'}, {args.jobs} jobs\n")
     with Stack() as stack:
         account_token, worker_token = stack.prepare()
-        manifest = stack.workdir / "manifest.json"
-        manifest.write_text(json.dumps(MANIFEST))
-        stack.manage("load_manifests", str(manifest))
+        stack.register(fake_manifest(MODEL))
         stack.start_api()
         ours = asyncio.run(bench_potocolom(stack, account_token, worker_token, args.jobs))
     celery = bench_celery(args.jobs)

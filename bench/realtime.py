@@ -36,15 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import websockets  # noqa: E402
 
-from potocolom.stack import Process, Stack  # noqa: E402
+from potocolom.stack import TINY_PNG_B64, Process, Stack, fake_manifest, next_of  # noqa: E402
 
 MODEL = "bench-live"
-MANIFEST = {"model_id": MODEL, "tier": "draft", "cost": 1.0, "capabilities": ["txt2img", "img2img"],
-            "pipeline": "StableDiffusionPipeline", "source": "bench/none",
-            "params_schema": {"type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}}}
-PNG = base64.b64encode(bytes.fromhex(
-    "89504e470d0a1a0a0000000d4948445200000001000000010802000000907753de0000000c4944415408d763f8cfc0000003"
-    "0101001878fd0a0000000049454e44ae426082")).decode()
 WAIT_S = 120.0
 NO_BATCH_WORKER = """
 import asyncio, sys
@@ -71,17 +65,6 @@ def verdict(ok: bool) -> str:
     return "met" if ok else "NOT met"
 
 
-async def next_of(ws: Any, wanted: dict[str, Any], timeout: float = WAIT_S) -> dict[str, Any]:
-    """The next message with these fields (others are skipped)."""
-    async def read() -> dict[str, Any]:
-        while True:
-            message = json.loads(await ws.recv())
-            if all(message.get(k) == v for k, v in wanted.items()):
-                return message
-
-    return await asyncio.wait_for(read(), timeout)
-
-
 class FakeWorker:
     """A worker socket that serves MODEL live, accepts every session and answers each frame at once."""
 
@@ -105,7 +88,7 @@ class FakeWorker:
                         await ws.send(json.dumps({"type": "session_accepted", "session_id": message["session_id"]}))
                     elif kind == "frame":
                         await ws.send(json.dumps({"type": "frame_result", "session_id": message["session_id"],
-                                                  "seq": message["seq"], "image": PNG, "gpu_ms": 0.0,
+                                                  "seq": message["seq"], "image": TINY_PNG_B64, "gpu_ms": 0.0,
                                                   "batch_size": 1}))
             finally:
                 beat.cancel()
@@ -153,7 +136,7 @@ async def raw_echo(frames: int, payload: str) -> list[float]:
 async def part_a(stack: Stack, account_token: str, worker_token: str, frames: int) -> dict[str, list[float]]:
     _, worker = await with_fake_worker(stack, worker_token, 8, "bench-relay:0")
     url = f"{stack.ws_url}/ws/session/?model_id={MODEL}&token={account_token}"
-    image = "data:image/png;base64," + PNG
+    image = "data:image/png;base64," + TINY_PNG_B64
     results: dict[str, list[float]] = {}
     try:
         async with websockets.connect(url, max_size=None, compression=None) as ws:
@@ -314,9 +297,7 @@ def main() -> None:
 
     with Stack(ACCOUNT_SESSION_LIMIT=str(max(args.idle, 2) + 10), SESSION_IDLE_SECONDS="300") as stack:
         account_token, worker_token = stack.prepare()
-        manifest = stack.workdir / "manifest.json"
-        manifest.write_text(json.dumps(MANIFEST))
-        stack.manage("load_manifests", str(manifest))
+        stack.register(fake_manifest(MODEL, ("txt2img", "img2img")))
         api = stack.start_api()
 
         print(f"(a) relay overhead, one frame at a time, {args.frames} frames (fake worker answers at once)")

@@ -24,13 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import psycopg  # noqa: E402
 import websockets  # noqa: E402
 
-from potocolom.stack import Stack  # noqa: E402
+from potocolom.stack import Stack, fake_manifest  # noqa: E402
 
 MODEL = "bench-model"
-MANIFEST = {"model_id": MODEL, "tier": "draft", "cost": 1.0, "capabilities": ["txt2img"],
-            "pipeline": "StableDiffusionPipeline", "source": "bench/none",
-            "params_schema": {"type": "object", "required": ["prompt"],
-                              "properties": {"prompt": {"type": "string"}}}}
 
 
 def psycopg_url(url: str) -> str:
@@ -82,9 +78,7 @@ def main() -> None:
         sys.exit("bench/rebuild.py measures PostgreSQL: set DATABASE_URL to a postgres:// URL")
     with Stack() as stack:
         _, worker_token = stack.prepare()
-        manifest = stack.workdir / "manifest.json"
-        manifest.write_text(json.dumps(MANIFEST))
-        stack.manage("load_manifests", str(manifest))
+        stack.register(fake_manifest(MODEL))
         started = time.perf_counter()
         insert_jobs(stack.database_url, args.jobs)
         print(f"inserted {args.jobs} queued jobs in {time.perf_counter() - started:.1f} s")

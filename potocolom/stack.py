@@ -6,8 +6,10 @@ group and is stopped by its PID.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import http.client
+import json
 import os
 import signal
 import socket
@@ -18,6 +20,7 @@ import time
 import urllib.parse
 import uuid
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 DAPHNE_OPTIONS = ("--websocket-max-message-size", "16777216", "--websocket-max-frame-size", "16777216")
@@ -115,6 +118,12 @@ class Stack:
         self.manage("migrate", "--noinput")
         return self.manage("create_account", "alice"), self.manage("create_worker_token", "stack")
 
+    def register(self, *manifests: dict[str, object]) -> None:
+        """Write manifests to a file and load them with `load_manifests`."""
+        path = self.workdir / f"manifests-{uuid.uuid4().hex[:8]}.json"
+        path.write_text(json.dumps(list(manifests)))
+        self.manage("load_manifests", str(path))
+
     def start_api(self, timeout: float = 90) -> Process:
         argv = [str(Path(sys.executable).parent / "daphne"), "-b", "127.0.0.1", "-p", str(self.port),
                 *DAPHNE_OPTIONS, "potocolom.asgi:application"]
@@ -155,6 +164,28 @@ class Stack:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def fake_manifest(model_id: str, capabilities: tuple[str, ...] = ("txt2img",)) -> dict[str, object]:
+    """A manifest that needs no weights (for fake workers): only a prompt is required."""
+    return {"model_id": model_id, "tier": "draft", "cost": 1.0, "capabilities": list(capabilities),
+            "pipeline": "StableDiffusionPipeline", "source": "bench/none",
+            "params_schema": {"type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}}}
+
+
+# A 1x1 PNG, base64: what fake workers send back as an image.
+TINY_PNG_B64 = ("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVQI12P4z8AAAAMBAQAYeP0KAAAAAElFTkSuQmCC")
+
+
+async def next_of(ws: Any, wanted: dict[str, Any], timeout: float = 120.0) -> dict[str, Any]:
+    """The next JSON message on a websocket with these fields (others are skipped)."""
+    async def read() -> dict[str, Any]:
+        while True:
+            message = json.loads(await ws.recv())
+            if all(message.get(k) == v for k, v in wanted.items()):
+                return message
+
+    return await asyncio.wait_for(read(), timeout)
 
 
 def _answers_http(port: int) -> bool:

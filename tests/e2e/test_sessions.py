@@ -12,13 +12,12 @@ import io
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 import websockets
 
-from potocolom.stack import Stack
+from potocolom.stack import Stack, next_of
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
 WAIT_S = 120.0  # a frame on a loaded 2-core machine can take seconds
@@ -30,17 +29,6 @@ def canvas_png(rgb: tuple[int, int, int]) -> str:
     buffer = io.BytesIO()
     Image.new("RGB", (64, 64), rgb).save(buffer, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
-
-
-async def next_of(ws: Any, wanted: dict[str, Any], timeout: float = WAIT_S) -> dict[str, Any]:
-    """The next message with these fields (others are skipped)."""
-    async def read() -> dict[str, Any]:
-        while True:
-            message = json.loads(await ws.recv())
-            if all(message.get(k) == v for k, v in wanted.items()):
-                return message
-
-    return await asyncio.wait_for(read(), timeout)
 
 
 @pytest.fixture
