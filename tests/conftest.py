@@ -22,6 +22,19 @@ def fresh_dispatcher():
 
 
 @pytest.fixture(autouse=True)
+def fresh_channel_layer():
+    """Each test gets its own channel layer instance. Every async test runs on a new event loop,
+    and a RedisChannelLayer keeps asyncio locks bound to the loop that first waited on them: one
+    left locked by a receive cancelled at the end of a test fails the next test with "bound to a
+    different event loop". A served process has one loop, so this concerns tests only."""
+    from channels.layers import channel_layers
+
+    channel_layers.backends.clear()
+    yield
+    channel_layers.backends.clear()
+
+
+@pytest.fixture(autouse=True)
 def media_in_tmp(settings, tmp_path):
     settings.MEDIA_ROOT = tmp_path / "media"
 
