@@ -9,9 +9,10 @@ from typing import Any
 from urllib.parse import parse_qs
 
 from channels.db import database_sync_to_async
-from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 
+from potocolom import relay
+from potocolom.relay import RelayConsumer
 from realtime import services
 from realtime.errors import CLOSE_MESSAGE_TOO_BIG, NotAuthenticated, SessionError
 from realtime.messages import BrowserMessageError, image_data_url, parse_browser_message
@@ -26,7 +27,7 @@ def query_of(scope: dict[str, Any]) -> dict[str, str]:
     return {name: values[-1] for name, values in parsed.items()}
 
 
-class SessionConsumer(AsyncWebsocketConsumer):
+class SessionConsumer(RelayConsumer):
     """One drawing page's session."""
 
     session_id: str | None = None
@@ -75,7 +76,7 @@ class SessionConsumer(AsyncWebsocketConsumer):
         message = frame.for_worker(self.session_id)
         state, worker_channel = services.session_frame(session_id=self.session_id, frame=message, now=arrived)
         if worker_channel is not None:
-            await self.channel_layer.send(worker_channel, {"type": "worker.send", "message": message})
+            await relay.send(worker_channel, {"type": "worker.send", "message": message})
         elif state == "idle":
             await database_sync_to_async(services.session_wake)(session_id=self.session_id)
 

@@ -15,8 +15,6 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from asgiref.sync import async_to_sync
-from channels.layers import get_channel_layer
 from django.conf import settings
 from django.contrib.auth.models import User
 from django.core.files.base import ContentFile
@@ -28,7 +26,7 @@ from django.utils import timezone
 
 from models_registry.manifests import RoutingError, route
 from models_registry.services import registered_manifests
-from potocolom import errors
+from potocolom import errors, relay
 from scheduling.dispatcher import Dispatcher, get_dispatcher
 from scheduling.jobs import Assignment, QueuedJob, retry_decision
 from scheduling.models import ACTIVE_STATES, HELD_STATES, Job, JobState
@@ -90,8 +88,9 @@ def _queued_rows() -> list[QueuedJob]:
 
 
 def send_to_channel(channel_name: str, message: dict[str, Any]) -> None:
-    """Send a layer message to one consumer (from sync code, after the commit)."""
-    async_to_sync(get_channel_layer().send)(channel_name, message)
+    """Send a message to one consumer (from sync code, after the commit): in memory when it is in
+    this process, through the channel layer otherwise."""
+    relay.send_sync(channel_name, message)
 
 
 def send_to_worker(channel_name: str, message: dict[str, Any]) -> None:

@@ -9,9 +9,10 @@ from typing import Any
 from urllib.parse import parse_qs
 
 from channels.db import database_sync_to_async
-from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 
+from potocolom import relay
+from potocolom.relay import RelayConsumer
 from realtime import services as sessions
 from scheduling import services as jobs
 from scheduling.jobs import worker_is_dead
@@ -40,7 +41,7 @@ def query_token(scope: dict[str, Any]) -> str | None:
     return values[0] if values else None
 
 
-class WorkerConsumer(AsyncWebsocketConsumer):
+class WorkerConsumer(RelayConsumer):
     """One GPU worker's connection."""
 
     worker_id: str | None = None
@@ -98,7 +99,7 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         replaced = await database_sync_to_async(jobs.worker_connected)(
             worker_id=hello.worker_id, channel_name=self.channel_name, models=[m["model_id"] for m in served])
         if replaced:
-            await self.channel_layer.send(replaced, {"type": "worker.replaced"})
+            await relay.send(replaced, {"type": "worker.replaced"})
         await database_sync_to_async(sessions.worker_slots_set)(
             worker_id=hello.worker_id, channel_name=self.channel_name, models=served)
 
@@ -140,7 +141,7 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         result = parse_frame_result(message)
         browser = sessions.frame_result_route(worker_id=self.worker_id or "", session_id=result.session_id)
         if browser is not None:
-            await self.channel_layer.send(browser, {"type": "session.frame", "seq": result.seq,
+            await relay.send(browser, {"type": "session.frame", "seq": result.seq,
                                                     "image": result.image, "gpu_ms": result.gpu_ms})
 
     HANDLERS = {"job_started": on_job_started, "job_progress": on_job_progress,

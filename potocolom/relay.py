@@ -1,0 +1,105 @@
+"""Delivery between consumers: in memory when the receiving consumer lives in this process, through
+the channel layer otherwise.
+
+Every consumer of this project (`RelayConsumer`) registers an inbox under its channel name for as
+long as it runs. `send` / `send_sync` hand a message to that inbox when the channel is local, so a
+frame between a browser and a worker on the same API process skips the channel layer (and Redis)
+both ways, and a job submitted over HTTP reaches a local worker without a new event loop per call
+(`async_to_sync` outside an event loop makes one). Only a channel of another process goes through
+the layer.
+
+Order: a consumer handles its messages one at a time, in the order they reached it, whichever way
+they came. Messages from one sender to one channel keep their order because the way they go never
+changes while the receiver lives: local from its registration to its end, the layer otherwise.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+from asgiref.sync import async_to_sync
+from channels.exceptions import StopConsumer
+from channels.generic.websocket import AsyncWebsocketConsumer
+from channels.layers import get_channel_layer
+from channels.utils import await_many_dispatch
+
+_inboxes: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[dict[str, Any]]]] = {}
+
+
+def is_local(channel_name: str) -> bool:
+    return channel_name in _inboxes
+
+
+def local_count() -> int:
+    return len(_inboxes)
+
+
+def _deliver_local(channel_name: str, message: dict[str, Any]) -> bool:
+    """Put the message into a local consumer's inbox; False when the channel is not local."""
+    entry = _inboxes.get(channel_name)
+    if entry is None:
+        return False
+    loop, inbox = entry
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is loop:
+        inbox.put_nowait(message)
+        return True
+    try:
+        loop.call_soon_threadsafe(inbox.put_nowait, message)
+    except RuntimeError:  # that loop is closed: the consumer is gone
+        return False
+    return True
+
+
+async def send(channel_name: str, message: dict[str, Any]) -> None:
+    """From async code: to a consumer in this process directly, else through the channel layer."""
+    if not _deliver_local(channel_name, message):
+        layer = get_channel_layer()
+        if layer is not None:
+            await layer.send(channel_name, message)
+
+
+def send_sync(channel_name: str, message: dict[str, Any]) -> None:
+    """From sync code (a service in a worker thread): the same as `send`."""
+    if not _deliver_local(channel_name, message):
+        layer = get_channel_layer()
+        if layer is not None:
+            async_to_sync(layer.send)(channel_name, message)
+
+
+class RelayConsumer(AsyncWebsocketConsumer):
+    """A websocket consumer that also takes messages from this process's senders in memory.
+
+    The same as channels' AsyncConsumer.__call__, with the local inbox as a third source beside the
+    client socket and the channel layer.
+    """
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        self.scope = scope
+        self.channel_layer = get_channel_layer(self.channel_layer_alias)
+        sources = [receive]
+        if self.channel_layer is not None:
+            self.channel_name = await self.channel_layer.new_channel()
+            channel_name = self.channel_name
+
+            async def from_layer() -> dict[str, Any]:
+                return await self.channel_layer.receive(channel_name)  # type: ignore[union-attr]
+
+            sources.append(from_layer)
+        else:
+            self.channel_name = f"local.{id(self)}"
+        inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        _inboxes[self.channel_name] = (asyncio.get_running_loop(), inbox)
+        sources.append(inbox.get)
+        self.base_send = send
+        try:
+            await await_many_dispatch(sources, self.dispatch)
+        except StopConsumer:
+            pass
+        finally:
+            with contextlib.suppress(KeyError):
+                del _inboxes[self.channel_name]

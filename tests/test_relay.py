@@ -1,0 +1,67 @@
+"""potocolom.relay: a consumer of this process gets its messages in memory, in order, from async
+and sync senders alike; a channel of another process still goes through the channel layer."""
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from channels.layers import get_channel_layer
+from channels.testing import WebsocketCommunicator
+
+from potocolom import relay
+from potocolom.relay import RelayConsumer
+
+
+class Echo(RelayConsumer):
+    """Says its channel name, then writes each `relay.echo` message's text to its socket."""
+
+    async def connect(self) -> None:
+        await self.accept()
+        await self.send(text_data=self.channel_name)
+
+    async def relay_echo(self, event: dict[str, Any]) -> None:
+        await self.send(text_data=event["text"])
+
+
+@pytest.fixture
+def layer_refuses(monkeypatch):
+    """A channel layer whose send fails: what still arrives did not go through it."""
+    layer = get_channel_layer()
+
+    async def refuse(channel: str, message: dict[str, Any]) -> None:
+        raise AssertionError(f"{channel} went through the channel layer")
+
+    monkeypatch.setattr(layer, "send", refuse)
+
+
+async def test_a_local_consumer_gets_messages_in_memory_and_in_order(layer_refuses):
+    communicator = WebsocketCommunicator(Echo.as_asgi(), "/")
+    assert (await communicator.connect())[0]
+    name = await communicator.receive_from()
+    assert relay.is_local(name)
+
+    await relay.send(name, {"type": "relay.echo", "text": "from the loop"})
+
+    def from_a_thread() -> None:  # a service in a worker thread, with no event loop of its own
+        for n in range(50):
+            relay.send_sync(name, {"type": "relay.echo", "text": f"sync {n}"})
+
+    await asyncio.to_thread(from_a_thread)
+    assert await communicator.receive_from() == "from the loop"
+    assert [await communicator.receive_from() for _ in range(50)] == [f"sync {n}" for n in range(50)]
+
+    await communicator.disconnect()
+    assert not relay.is_local(name), "a consumer that ended is no longer a local channel"
+
+
+async def test_a_channel_that_is_not_local_goes_through_the_channel_layer():
+    layer = get_channel_layer()
+    name = await layer.new_channel()
+    assert not relay.is_local(name)
+
+    await relay.send(name, {"type": "relay.echo", "text": "async"})
+    await asyncio.to_thread(relay.send_sync, name, {"type": "relay.echo", "text": "sync"})
+
+    assert await layer.receive(name) == {"type": "relay.echo", "text": "async"}
+    assert await layer.receive(name) == {"type": "relay.echo", "text": "sync"}
