@@ -60,6 +60,7 @@ class FrameWorker(threading.Thread):
         self.loop: asyncio.AbstractEventLoop | None = None
         self.stopping: asyncio.Event | None = None
         self.error: BaseException | None = None
+        self.connections = 0  # hellos answered with welcome
 
     def run(self) -> None:
         try:
@@ -72,22 +73,40 @@ class FrameWorker(threading.Thread):
         return [m for m in list(self.received) if m.get("type") == "frame"]
 
     async def serve(self) -> None:
+        """Connect, say hello and answer; connect again whenever the API drops the socket."""
         import websockets
 
         self.loop, self.stopping = asyncio.get_running_loop(), asyncio.Event()
+        while not self.stopping.is_set():
+            try:
+                await self.serve_once()
+            except (OSError, websockets.ConnectionClosed):
+                if self.connections == 0:
+                    raise
+                await asyncio.sleep(0.2)  # the API is restarting: try again
+
+    async def serve_once(self) -> None:
+        import websockets
+
+        assert self.stopping is not None
         async with websockets.connect(self.url, max_size=None) as ws:
             await ws.send(json.dumps({"type": "hello", "worker_id": self.worker_id, "gpu": None, "models": [
                 {"model_id": m["model_id"], "rung": "full", "realtime": True, "frame_ms_p95": 40.0,
                  "realtime_slots": self.slots} for m in MANIFESTS]}))
             welcome = json.loads(await ws.recv())
             assert welcome["type"] == "welcome", welcome
+            self.connections += 1
             self.welcomed.set()
             tasks = [asyncio.create_task(self.beat(ws, welcome["heartbeat_seconds"])),
                      asyncio.create_task(self.answer(ws))]
-            await self.stopping.wait()
-            for task in tasks:
+            stopping = asyncio.create_task(self.stopping.wait())
+            await asyncio.wait([stopping, tasks[1]], return_when=asyncio.FIRST_COMPLETED)
+            for task in [*tasks, stopping]:
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            for result in results:
+                if isinstance(result, (OSError, websockets.ConnectionClosed)):
+                    raise result
 
     async def beat(self, ws: Any, seconds: float) -> None:
         while True:
@@ -196,5 +215,79 @@ def test_it_draws_sees_the_output_and_is_told_about_the_session_limit(served: tu
             # Refused is final: the third page does not retry.
             third.wait_for_timeout(1500)
             expect(third.locator("#status")).to_have_text("closed: you already have two live sessions")
+        finally:
+            chromium.close()
+
+
+def log_in(page: Any, stack: Stack) -> None:
+    from playwright.sync_api import expect
+
+    page.goto(f"{stack.http_url}/")
+    page.fill("#id_username", "alice")
+    page.fill("#id_password", "pw")
+    page.click("button[type=submit]")
+    expect(page).to_have_url(f"{stack.http_url}/")
+
+
+def stroke(page: Any, dx: int, dy: int) -> None:
+    box = page.locator("#canvas").bounding_box()
+    assert box is not None
+    page.mouse.move(box["x"] + dx, box["y"] + dy)
+    page.mouse.down()
+    for step in range(1, 11):
+        page.mouse.move(box["x"] + dx + step * 10, box["y"] + dy + (step % 3) * 15)
+    page.mouse.up()
+
+
+def wait_for(predicate: Any, what: str, timeout: float = WAIT_MS / 1000) -> None:
+    """Poll a condition the page cannot report (what the fake worker received) until a deadline."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def test_it_reconnects_after_the_api_restarts_and_sends_the_canvas_again(
+        served: tuple[Stack, FrameWorker]) -> None:
+    from playwright.sync_api import expect, sync_playwright
+
+    stack, worker = served
+    api = next(p for p in stack.processes if p.name == "daphne")
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
+        try:
+            page = chromium.new_context(viewport={"width": 1000, "height": 720}).new_page()
+            log_in(page, stack)
+            expect(page.locator("#status")).to_have_text("live on fake-gpu:0", timeout=WAIT_MS)
+            stroke(page, 60, 80)
+            expect(page.locator("#output")).to_have_attribute("src", re.compile(r"^data:image/png;base64,.+"),
+                                                              timeout=WAIT_MS)
+            first_output = page.locator("#output").get_attribute("src")
+
+            # The API dies; the page says so and keeps trying.
+            stack.kill(api)
+            expect(page.locator("#status")).to_contain_text("reconnecting in", timeout=WAIT_MS)
+            before = worker.frames()[-1]
+            canvas = page.evaluate("() => document.getElementById('canvas').toDataURL('image/png')")
+
+            # The API comes back on the same address: the page (and the worker) reconnect by themselves,
+            # the new session goes live, and the canvas drawn so far is sent to it without a new stroke.
+            stack.start_api()
+            expect(page.locator("#status")).to_have_text("live on fake-gpu:0", timeout=2 * WAIT_MS)
+            assert worker.connections == 2
+            wait_for(lambda: any(f["seq"] > before["seq"] for f in worker.frames()),
+                     "the canvas to be sent to the new session")
+            resent = next(f for f in worker.frames() if f["seq"] > before["seq"])
+            assert resent["session_id"] != before["session_id"], "a restarted API starts a new session"
+            assert resent["image"] == canvas.split(",", 1)[1], "the new session gets the canvas as drawn"
+
+            # Drawing goes on: a new stroke gives a new output.
+            stroke(page, 300, 200)
+            expect(page.locator("#output")).not_to_have_attribute("src", first_output or "", timeout=WAIT_MS)
+            seqs = [f["seq"] for f in worker.frames()]
+            assert seqs == sorted(set(seqs)), "frame numbers keep growing across the reconnect"
         finally:
             chromium.close()
