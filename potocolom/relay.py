@@ -103,3 +103,10 @@ class RelayConsumer(AsyncWebsocketConsumer):
         finally:
             with contextlib.suppress(KeyError):
                 del _inboxes[self.channel_name]
+
+
+def group_send_sync(group: str, message: dict[str, Any]) -> None:
+    """From sync code: to every consumer in a channel-layer group, whichever process holds it."""
+    layer = get_channel_layer()
+    if layer is not None:
+        async_to_sync(layer.group_send)(group, message)

@@ -73,6 +73,11 @@ if MEMORY_MODE not in ("auto", "full", "model_offload", "group_offload"):
     raise ImproperlyConfigured(f"MEMORY_MODE must be auto, full, model_offload or group_offload, got {MEMORY_MODE!r}")
 MODELS_DIR = envstr("MODELS_DIR", str(BASE_DIR / "models"))
 REDIS_URL = envstr("REDIS_URL", None)
+# Where queued jobs wait: "memory" (one API process owns them) or "redis" (shared by every API
+# process on the same database; the default when REDIS_URL is set).
+JOB_QUEUE = envstr("JOB_QUEUE", "redis" if REDIS_URL else "memory")
+if JOB_QUEUE not in ("memory", "redis") or (JOB_QUEUE == "redis" and not REDIS_URL):
+    raise ImproperlyConfigured(f"JOB_QUEUE must be memory, or redis with REDIS_URL set; got {JOB_QUEUE!r}")
 # Rebuild the job queue from the database as the API process starts, not at the first worker's hello.
 QUEUE_REBUILD_AT_START = envbool("QUEUE_REBUILD_AT_START", True)
 # A browser message over this closes the socket with 4009; worker messages carry whole images.

@@ -104,6 +104,13 @@ class Stack:
     def ws_url(self) -> str:
         return f"ws://127.0.0.1:{self.port}"
 
+    @property
+    def scale_port(self) -> int:
+        """The port of a second API process (started with `start_api(port=stack.scale_port)`)."""
+        if not hasattr(self, "_scale_port"):
+            self._scale_port = free_port()
+        return self._scale_port
+
     def manage(self, *args: str, timeout: float = 300) -> str:
         """Run a management command; its last printed line."""
         result = subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=self.env, capture_output=True,
@@ -124,12 +131,16 @@ class Stack:
         path.write_text(json.dumps(list(manifests)))
         self.manage("load_manifests", str(path))
 
-    def start_api(self, timeout: float = 90) -> Process:
-        argv = [str(Path(sys.executable).parent / "daphne"), "-b", "127.0.0.1", "-p", str(self.port),
+    def start_api(self, timeout: float = 90, *, port: int | None = None) -> Process:
+        """Daphne on this stack's port, or on `port` (another API process on the same database and
+        Redis: see `scale_port`)."""
+        port = port or self.port
+        argv = [str(Path(sys.executable).parent / "daphne"), "-b", "127.0.0.1", "-p", str(port),
                 *DAPHNE_OPTIONS, "potocolom.asgi:application"]
-        api = self.launch(Process("daphne", argv, self.env, self.workdir / "daphne.log"))
+        log_name = "daphne.log" if port == self.port else f"daphne-{port}.log"
+        api = self.launch(Process("daphne", argv, self.env, self.workdir / log_name))
         deadline = time.monotonic() + timeout
-        while not _answers_http(self.port):
+        while not _answers_http(port):
             if not api.running or time.monotonic() > deadline:
                 raise RuntimeError(f"Daphne did not start:\n{api.log()[-3000:]}")
             time.sleep(0.05)

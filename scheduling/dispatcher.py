@@ -7,12 +7,14 @@ from the database on first use, so a restarted API loses no job and dispatches n
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from scheduling.jobs import Assignment, InProcessQueues, QueuedJob, WorkerCapacity, plan_dispatch
+from scheduling.jobs import Assignment, InProcessQueues, JobQueues, QueuedJob, WorkerCapacity, plan_dispatch
+from scheduling.redis_queue import RecoveringQueues
 
 
 @dataclass
@@ -34,31 +36,43 @@ class Orphans:
 
 
 class Dispatcher:
-    def __init__(self, *, depth: int) -> None:
+    def __init__(self, *, depth: int, queues: JobQueues | None = None) -> None:
         self.depth = depth
         self.lock = threading.RLock()
-        self.queues = InProcessQueues()
+        self.queues: JobQueues = queues if queues is not None else InProcessQueues()
         self.workers: dict[str, ConnectedWorker] = {}
         self.orphans: dict[str, Orphans] = {}
         self.loaded = False
         self._joined = itertools.count()
 
-    def load(self, *, queued: Iterable[QueuedJob], held: dict[str, set[str]], deadline: float) -> None:
-        """Rebuild from the database: queued jobs, and jobs held by workers not yet reconnected."""
+    @property
+    def shared(self) -> bool:
+        """Whether the queue is shared with other API processes (Redis)."""
+        return isinstance(self.queues, RecoveringQueues)
+
+    def load(self, *, queued: Callable[[], Iterable[QueuedJob]], held: dict[str, set[str]], deadline: float) -> None:
+        """Rebuild from the database: queued jobs (`queued()` reads them; a shared queue keeps it to
+        rebuild itself whenever Redis loses it), and jobs held by workers not yet reconnected."""
         with self.lock:
-            self.queues.rebuild(queued)
+            if isinstance(self.queues, RecoveringQueues):
+                self.queues.load = queued
+                self.queues.rebuild_from_load()
+            else:
+                self.queues.rebuild(queued())
             self.orphans = {worker_id: Orphans(set(jobs), deadline) for worker_id, jobs in held.items() if jobs}
             self.loaded = True
 
     # workers
 
-    def connect(self, *, worker_id: str, channel_name: str, models: Iterable[str]) -> tuple[str | None, set[str]]:
-        """Register a worker's connection; it keeps the jobs it held before (a reconnect, or this
-        process's restart). Returns the channel of an older connection with the same id, if any,
-        and the jobs cancelled while it was away, which it must be told of."""
+    def connect(self, *, worker_id: str, channel_name: str, models: Iterable[str],
+                held: Iterable[str] = ()) -> tuple[str | None, set[str]]:
+        """Register a worker's connection; it keeps the jobs it held before (a reconnect, this
+        process's restart, or `held`: what the database says it holds, e.g. after the API process
+        it was connected to died). Returns the channel of an older connection with the same id, if
+        any, and the jobs cancelled while it was away, which it must be told of."""
         with self.lock:
             previous = self.workers.pop(worker_id, None)
-            held = previous.held if previous else set()
+            held = (previous.held if previous else set()) | set(held)
             orphans = self.orphans.pop(worker_id, None)
             if orphans:
                 held |= orphans.held
@@ -84,6 +98,14 @@ class Dispatcher:
             for worker_id in gone:
                 del self.orphans[worker_id]
             return gone
+
+    def orphan_ids(self) -> set[str]:
+        with self.lock:
+            return set(self.orphans)
+
+    def connected_ids(self) -> set[str]:
+        with self.lock:
+            return set(self.workers)
 
     def channel_of(self, worker_id: str | None) -> str | None:
         with self.lock:
@@ -155,8 +177,28 @@ def get_dispatcher() -> Dispatcher:
         if _instance is None:
             from django.conf import settings
 
-            _instance = Dispatcher(depth=settings.JOB_DISPATCH_DEPTH)
+            _instance = Dispatcher(depth=settings.JOB_DISPATCH_DEPTH, queues=_queues_from_settings())
         return _instance
+
+
+def _queues_from_settings() -> JobQueues | None:
+    """RedisQueues when JOB_QUEUE is redis (the default with REDIS_URL): one queue for every API
+    process on the same database. Its keys are named after the database, so two deployments (or
+    test databases) on one Redis never share a queue. It cannot load itself until `load`."""
+    from django.conf import settings
+    from django.db import connection
+
+    if settings.JOB_QUEUE != "redis":
+        return None
+    from scheduling.redis_queue import RedisQueues, redis_client_from_url
+
+    database = f"{connection.vendor}:{connection.settings_dict.get('HOST') or ''}:{connection.settings_dict['NAME']}"
+    prefix = f"potocolom:{hashlib.sha1(database.encode()).hexdigest()[:12]}:jobs"
+
+    def not_loaded() -> list[QueuedJob]:
+        raise RuntimeError("the dispatcher was used before it was loaded from the database")
+
+    return RecoveringQueues(RedisQueues(redis_client_from_url(settings.REDIS_URL or ""), prefix), not_loaded)
 
 
 def reset_dispatcher() -> None:

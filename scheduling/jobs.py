@@ -8,7 +8,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 JOB_DISPATCH_DEPTH = 2  # unfinished jobs a worker may hold: it encodes one while it denoises the next
 
@@ -93,6 +93,31 @@ class InProcessQueues:
         return {model_id: len(keys) for model_id, keys in self._keys.items() if keys}
 
 
+class JobQueues(Protocol):
+    """What the dispatcher needs of a queue: InProcessQueues here, RedisQueues (redis_queue.py)
+    when several API processes share one."""
+
+    def __len__(self) -> int: ...
+
+    def __contains__(self, job_id: object) -> bool: ...
+
+    def rebuild(self, jobs: Iterable[QueuedJob]) -> None: ...
+
+    def push(self, job: QueuedJob) -> bool: ...
+
+    def remove(self, job_id: str) -> QueuedJob | None: ...
+
+    def peek_for(self, model_ids: Iterable[str]) -> QueuedJob | None: ...
+
+    def pop_for(self, model_ids: Iterable[str]) -> QueuedJob | None: ...
+
+    def position(self, job_id: str) -> int | None: ...
+
+    def queued(self, model_id: str) -> list[QueuedJob]: ...
+
+    def counts(self) -> dict[str, int]: ...
+
+
 @dataclass(frozen=True)
 class WorkerCapacity:
     """What the dispatch decision needs to know of one connected worker."""
@@ -109,7 +134,7 @@ class Assignment:
     worker_id: str
 
 
-def plan_dispatch(queues: InProcessQueues, workers: Sequence[WorkerCapacity], *,
+def plan_dispatch(queues: JobQueues, workers: Sequence[WorkerCapacity], *,
                   depth: int = JOB_DISPATCH_DEPTH) -> list[Assignment]:
     """Take jobs off the queues for workers with room, and say which worker gets each.
 

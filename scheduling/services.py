@@ -68,7 +68,7 @@ def dispatcher() -> Dispatcher:
                     held.setdefault(worker_id or "", set()).add(str(job_id))
                 # A worker that held jobs gets the contract's dead-worker window to reconnect.
                 grace = 4 * settings.WORKER_HEARTBEAT_SECONDS
-                current.load(queued=_queued_rows(), held=held,
+                current.load(queued=_queued_rows, held=held,
                              deadline=time.monotonic() + grace)
                 log.info("rebuilt the job queue from the database: %d queued, %d held, in %.0f ms",
                          len(current.queues), sum(len(jobs) for jobs in held.values()),
@@ -158,8 +158,48 @@ def job_submit(*, account: User, request: JobRequest) -> Job:
 
 
 def _queue_and_dispatch(job: Job) -> None:
-    dispatcher().push(queued_job(job))
+    current = dispatcher()
+    current.push(queued_job(job))
     dispatch()
+    if current.shared and str(job.id) in current.queues:
+        wake_other_processes()
+
+
+# --- several API processes (a shared queue) ----------------------------------------------------
+
+WORKERS_GROUP = "potocolom.workers"  # every worker socket of every API process, when the queue is shared
+
+
+def wake_other_processes() -> None:
+    """A job is waiting that no worker of this process could take: every process with a worker
+    looks at the shared queue again (`jobs.available`, handled by WorkerConsumer)."""
+    relay.group_send_sync(WORKERS_GROUP, {"type": "jobs.available"})
+
+
+def _tell_holder(current: Dispatcher, holder: str | None, job_id: str, worker_id: str | None) -> None:
+    """Tell the worker holding a job (`holder` here, or `worker_id` in the database) to cancel it,
+    wherever it is connected."""
+    channel = current.channel_of(holder)
+    if channel:
+        send_to_worker(channel, {"type": "cancel", "job_id": job_id})
+    elif current.shared and (holder or worker_id):
+        # Connected to another API process (or to none): the one holding its socket tells it.
+        relay.group_send_sync(WORKERS_GROUP, {"type": "worker.cancel", "worker_id": holder or worker_id,
+                                              "job_id": job_id})
+
+
+def job_left_worker(*, worker_id: str, job_id: str) -> None:
+    """Another API process cancelled or requeued a job this process's worker holds: its place frees."""
+    if dispatcher().release(job_id, worker_id=worker_id):
+        dispatch()
+
+
+def worker_seen(*, worker_id: str) -> None:
+    """A worker connected here is alive (every heartbeat period): other processes read this to tell
+    a worker connected elsewhere from one that is gone."""
+    from workers.models import Worker
+
+    Worker.objects.filter(worker_id=worker_id).update(connected=True, last_seen=timezone.now())
 
 
 def job_cancel(*, job: Job) -> Job:
@@ -174,9 +214,7 @@ def job_cancel(*, job: Job) -> Job:
     current = dispatcher()
     current.remove(str(job.id))
     holder = current.release(str(job.id))
-    channel = current.channel_of(holder)
-    if channel:
-        send_to_worker(channel, {"type": "cancel", "job_id": str(job.id)})
+    _tell_holder(current, holder, str(job.id), job.worker_id)
     if holder:
         dispatch()
     return job
@@ -184,6 +222,7 @@ def job_cancel(*, job: Job) -> Job:
 
 def job_requeue(*, job: Job) -> Job:
     """Operators: put a failed, cancelled or stuck job back in the queue at its old place."""
+    worker_id = Job.objects.filter(id=job.id).values_list("worker_id", flat=True).first()
     with transaction.atomic():
         moved = Job.objects.filter(id=job.id).exclude(state__in=(JobState.QUEUED, JobState.SUCCEEDED)).update(
             state=JobState.QUEUED, worker_id=None, dispatched_at=None, started_at=None, finished_at=None,
@@ -192,11 +231,11 @@ def job_requeue(*, job: Job) -> Job:
     if moved:
         current = dispatcher()
         holder = current.release(str(job.id))
-        channel = current.channel_of(holder)
-        if channel:
-            send_to_worker(channel, {"type": "cancel", "job_id": str(job.id)})
+        _tell_holder(current, holder, str(job.id), worker_id)
         current.push(queued_job(job))
         dispatch()
+        if current.shared and str(job.id) in current.queues:
+            wake_other_processes()
     return job
 
 
@@ -277,6 +316,7 @@ def jobs_return(*, job_ids: set[str]) -> None:
     and fails with worker_lost the second time."""
     now = timezone.now()
     current = dispatcher()
+    requeued = []
     for job in Job.objects.filter(id__in=job_ids, state__in=HELD_STATES):
         current.release(str(job.id))
         if retry_decision(attempts=job.attempts) == "requeue":
@@ -285,16 +325,22 @@ def jobs_return(*, job_ids: set[str]) -> None:
                 started_at=None, progress_step=None, progress_steps=None)
             if moved:
                 current.push(queued_job(job))
+                requeued.append(str(job.id))
         else:
             Job.objects.filter(id=job.id, state__in=HELD_STATES).update(
                 state=JobState.FAILED, error=WORKER_LOST, finished_at=now)
     dispatch()
+    if current.shared and any(job_id in current.queues for job_id in requeued):
+        wake_other_processes()
 
 
 def worker_connected(*, worker_id: str, channel_name: str, models: list[str]) -> str | None:
     """Register a worker connection and hand it work; the channel of a connection it replaced.
     Jobs cancelled while it was away (this API restarted meanwhile) are cancelled on it first."""
-    replaced, cancelled = dispatcher().connect(worker_id=worker_id, channel_name=channel_name, models=models)
+    held = {str(job_id) for job_id in Job.objects.filter(worker_id=worker_id, state__in=HELD_STATES)
+            .values_list("id", flat=True)}
+    replaced, cancelled = dispatcher().connect(worker_id=worker_id, channel_name=channel_name, models=models,
+                                               held=held)
     for job_id in sorted(cancelled):
         send_to_worker(channel_name, {"type": "cancel", "job_id": job_id})
     sweep_orphans()
@@ -313,7 +359,25 @@ def worker_disconnected(*, worker_id: str, channel_name: str) -> bool:
 
 
 def sweep_orphans() -> None:
-    """Jobs held by workers that did not reconnect after this API process started follow the retry rule."""
-    for held in dispatcher().expired_orphans(now=time.monotonic()).values():
+    """Jobs held by workers that did not reconnect after this API process started follow the retry
+    rule. With a shared queue, so do the jobs of workers that no API process has seen for the
+    dead-worker window (their process died and they did not come back); a worker connected to
+    another live process is not an orphan."""
+    current = dispatcher()
+    expired = current.expired_orphans(now=time.monotonic())
+    if current.shared:
+        from workers.models import Worker
+
+        window = datetime.fromtimestamp(time.time() - 4 * settings.WORKER_HEARTBEAT_SECONDS, UTC)
+        alive = set(Worker.objects.filter(worker_id__in=list(expired), last_seen__gte=window)
+                    .values_list("worker_id", flat=True))
+        expired = {worker_id: held for worker_id, held in expired.items() if worker_id not in alive}
+        waiting = current.orphan_ids() | current.connected_ids()  # this process decides on those itself
+        stale = (Job.objects.filter(state__in=HELD_STATES, worker_id__in=Worker.objects.filter(last_seen__lt=window)
+                                    .values("worker_id")).exclude(worker_id__in=waiting)
+                 .values_list("id", "worker_id"))
+        for job_id, worker_id in stale:
+            expired.setdefault(worker_id or "", set()).add(str(job_id))
+    for held in expired.values():
         jobs_return(job_ids=held)
 

@@ -41,6 +41,32 @@ def query_token(scope: dict[str, Any]) -> str | None:
     return values[0] if values else None
 
 
+def shared_queue() -> bool:
+    return bool(settings.JOB_QUEUE == "redis")
+
+
+_dispatching = False
+_dispatch_again = False
+
+
+async def dispatch_soon() -> None:
+    """Run the dispatch once for this process however many of its worker sockets are woken at once:
+    a wake-up during a run makes one more run after it, not one per socket."""
+    global _dispatching, _dispatch_again
+    if _dispatching:
+        _dispatch_again = True
+        return
+    _dispatching = True
+    try:
+        while True:
+            _dispatch_again = False
+            await database_sync_to_async(jobs.dispatch)()
+            if not _dispatch_again:
+                return
+    finally:
+        _dispatching = False
+
+
 class WorkerConsumer(RelayConsumer):
     """One GPU worker's connection."""
 
@@ -96,6 +122,8 @@ class WorkerConsumer(RelayConsumer):
         await self.send(text_data=json.dumps({
             "type": "welcome", "unknown_models": unknown,
             "heartbeat_seconds": settings.WORKER_HEARTBEAT_SECONDS, "frame_budget_ms": settings.FRAME_BUDGET_MS}))
+        if shared_queue():
+            await self.channel_layer.group_add(jobs.WORKERS_GROUP, self.channel_name)
         replaced = await database_sync_to_async(jobs.worker_connected)(
             worker_id=hello.worker_id, channel_name=self.channel_name, models=[m["model_id"] for m in served])
         if replaced:
@@ -155,6 +183,11 @@ class WorkerConsumer(RelayConsumer):
         period = settings.WORKER_HEARTBEAT_SECONDS
         while not self.lost:
             await asyncio.sleep(period)
+            if shared_queue() and self.worker_id is not None and not worker_is_dead(
+                    last_seen=self.last_seen, now=time.monotonic(), heartbeat_seconds=period):
+                # Other API processes read this to tell a worker connected here from a lost one.
+                await database_sync_to_async(jobs.worker_seen)(worker_id=self.worker_id)
+                await self.channel_layer.group_add(jobs.WORKERS_GROUP, self.channel_name)  # groups expire
             await database_sync_to_async(jobs.sweep_orphans)()
             if worker_is_dead(last_seen=self.last_seen, now=time.monotonic(), heartbeat_seconds=period):
                 log.warning("worker %s sent nothing for 3 heartbeat periods: dead", self.worker_id or "(no hello)")
@@ -178,7 +211,23 @@ class WorkerConsumer(RelayConsumer):
     async def disconnect(self, code: int) -> None:
         if self.watchdog is not None and self.watchdog is not asyncio.current_task():
             self.watchdog.cancel()
+        if shared_queue() and self.channel_layer is not None:
+            await self.channel_layer.group_discard(jobs.WORKERS_GROUP, self.channel_name)
         await self.lose()
+
+    # messages from other API processes (a shared queue)
+
+    async def jobs_available(self, event: dict[str, Any]) -> None:
+        """A job waits that the process that queued it could not place: look at the queue again."""
+        if self.worker_id is not None and not self.lost:
+            await dispatch_soon()
+
+    async def worker_cancel(self, event: dict[str, Any]) -> None:
+        """Another process cancelled (or requeued) a job of this worker: tell it, free its place."""
+        if event.get("worker_id") == self.worker_id and not self.lost:
+            await self.send(text_data=json.dumps({"type": "cancel", "job_id": event["job_id"]}))
+            await database_sync_to_async(jobs.job_left_worker)(worker_id=self.worker_id or "",
+                                                               job_id=event["job_id"])
 
     async def worker_send(self, event: dict[str, Any]) -> None:
         """A message for the worker from a service (job, cancel)."""

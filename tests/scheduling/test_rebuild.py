@@ -79,6 +79,10 @@ class Clock:
     def monotonic(self) -> float:
         return self.now
 
+    def time(self) -> float:
+        """Wall time moved as far as the monotonic clock (the workers' last_seen is wall time)."""
+        return time.time() + self.now - 10_000.0
+
     @staticmethod
     def perf_counter() -> float:
         return time.perf_counter()

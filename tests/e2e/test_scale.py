@@ -1,0 +1,227 @@
+"""Two API processes (two Daphnes on two ports) on one PostgreSQL database and one Redis: one job
+queue for both. Runs where REDIS_URL is set (CI's second pass); the first pass has one process.
+
+Workers here are `websockets` clients speaking the worker side of the contract; each finishes a job
+as soon as it gets it (or holds it, for the kill test), and records every `job` message it got.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from potocolom.stack import TINY_PNG_B64, Stack, fake_manifest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300),
+              pytest.mark.skipif(not os.environ.get("REDIS_URL"), reason="two API processes share their queue "
+                                 "through Redis: set REDIS_URL (CI's second pass does)")]
+
+MODEL = "scale-a"
+WAIT_S = 60.0
+
+
+class Worker:
+    """A worker socket on one API process (reconnecting to `urls` in turn when its socket drops)."""
+
+    def __init__(self, urls: list[str], worker_id: str, *, finish: bool = True) -> None:
+        self.urls, self.worker_id, self.finish = urls, worker_id, finish
+        self.jobs: list[dict[str, Any]] = []
+        self.hellos = 0
+        self.ws: Any = None
+
+    async def run(self) -> None:
+        import websockets
+
+        attempt = 0
+        while True:
+            url = self.urls[attempt % len(self.urls)]
+            attempt += 1
+            try:
+                async with websockets.connect(url, max_size=None, open_timeout=5) as ws:
+                    self.ws = ws
+                    await ws.send(json.dumps({"type": "hello", "worker_id": self.worker_id, "gpu": None, "models": [
+                        {"model_id": MODEL, "rung": "full", "realtime": False, "frame_ms_p95": None,
+                         "realtime_slots": 0}]}))
+                    beat = None
+                    async for raw in ws:
+                        message = json.loads(raw)
+                        if message["type"] == "welcome":
+                            self.hellos += 1
+                            beat = asyncio.create_task(self.heartbeat(ws, message["heartbeat_seconds"]))
+                        elif message["type"] == "job":
+                            self.jobs.append(message)
+                            if self.finish:
+                                await self.complete(message["job_id"])
+                    if beat is not None:
+                        beat.cancel()
+            except (OSError, websockets.ConnectionClosed, TimeoutError):
+                pass
+            await asyncio.sleep(0.1)  # the next API process (or this one, restarted)
+
+    async def complete(self, job_id: str) -> None:
+        await self.ws.send(json.dumps({"type": "job_started", "job_id": job_id}))
+        await self.ws.send(json.dumps({"type": "job_result", "job_id": job_id, "images": [TINY_PNG_B64],
+                                       "gpu_ms": 1.0, "rung": "full"}))
+
+    @staticmethod
+    async def heartbeat(ws: Any, seconds: float) -> None:
+        while True:
+            await asyncio.sleep(seconds)
+            await ws.send(json.dumps({"type": "heartbeat"}))
+
+
+class Workers(threading.Thread):
+    """Worker sockets on their own event loop in a thread, so the test can do blocking HTTP."""
+
+    def __init__(self) -> None:
+        super().__init__(name="workers", daemon=True)
+        self.loop = asyncio.new_event_loop()
+
+    def run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def add(self, worker: Worker) -> Worker:
+        asyncio.run_coroutine_threadsafe(worker.run(), self.loop)
+        return worker
+
+    def call(self, coroutine: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(30)
+
+    def stop(self) -> None:
+        async def cancel_all() -> None:
+            running = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in running:
+                task.cancel()
+            await asyncio.gather(*running, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(cancel_all(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.join(10)
+
+
+def wait_until(predicate: Any, what: str, timeout: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def scaled(tmp_path: Path) -> Iterator[tuple[Stack, str, str, Workers]]:
+    """Two API processes on one database and Redis; (stack, account token, worker token, workers)."""
+    with Stack(workdir=tmp_path, WORKER_HEARTBEAT_SECONDS="1") as stack:
+        account, worker_token = stack.prepare()
+        stack.register(fake_manifest(MODEL))
+        stack.start_api()
+        stack.start_api(port=stack.scale_port)
+        workers = Workers()
+        workers.start()
+        try:
+            yield stack, account, worker_token, workers
+        finally:
+            workers.stop()
+
+
+def api(stack: Stack, port: int, token: str) -> httpx.Client:
+    return httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Token {token}"},
+                        timeout=30, trust_env=False)
+
+
+def submit(client: httpx.Client, priority: int = 0) -> str:
+    response = client.post("/api/v1/jobs/", json={"model_id": MODEL, "params": {"prompt": "p"}, "priority": priority})
+    assert response.status_code == 201, response.text
+    return str(response.json()["id"])
+
+
+def states(client: httpx.Client, ids: list[str]) -> dict[str, dict[str, Any]]:
+    return {job_id: client.get(f"/api/v1/jobs/{job_id}/").json() for job_id in ids}
+
+
+def test_a_job_submitted_to_one_process_reaches_a_worker_connected_to_the_other(scaled) -> None:
+    stack, account, worker_token, workers = scaled
+    worker = workers.add(Worker([f"ws://127.0.0.1:{stack.port}/ws/worker/?token={worker_token}"], "one:0"))
+    wait_until(lambda: worker.hellos == 1, "the worker's welcome")
+    other = api(stack, stack.scale_port, account)
+
+    job_id = submit(other)
+    wait_until(lambda: other.get(f"/api/v1/jobs/{job_id}/").json()["state"] == "succeeded", "the job to succeed")
+    assert [m["job_id"] for m in worker.jobs] == [job_id]
+    assert other.get(f"/api/v1/jobs/{job_id}/").json()["worker_id"] == "one:0"
+
+
+def test_many_clients_and_workers_on_two_processes_dispatch_every_job_exactly_once_in_order(scaled) -> None:
+    stack, account, worker_token, workers = scaled
+    ports = [stack.port, stack.scale_port]
+    clients = [api(stack, port, account) for port in ports]
+
+    # 120 jobs wait before any worker connects, submitted to both processes; priorities mixed.
+    waiting = [submit(clients[n % 2], priority=n % 3) for n in range(120)]
+    expected = sorted(states(clients[0], waiting).values(), key=lambda j: (-j["priority"], j["created_at"], j["id"]))
+    assert [j["position"] for j in expected if j["priority"] == 2][:3] == [1, 2, 3]
+
+    # Four workers, two per process, pull them while four clients submit 160 more to both processes.
+    pulled = [workers.add(Worker([f"ws://127.0.0.1:{ports[n % 2]}/ws/worker/?token={worker_token}"],
+                                 f"host-{n}:0")) for n in range(4)]
+    more: list[str] = []
+    lock = threading.Lock()
+
+    def client(n: int) -> None:
+        http = api(stack, ports[n % 2], account)
+        for _ in range(40):
+            job_id = submit(http)
+            with lock:
+                more.append(job_id)
+
+    threads = [threading.Thread(target=client, args=(n,)) for n in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    every = waiting + more
+    assert len(set(every)) == 280
+
+    wait_until(lambda: sum(len(w.jobs) for w in pulled) >= 280, "every job to be dispatched", timeout=120)
+    final = states(clients[1], every)
+    assert {j["state"] for j in final.values()} == {"succeeded"}, {j["state"] for j in final.values()}
+    dispatched = [m["job_id"] for w in pulled for m in w.jobs]
+    assert sorted(dispatched) == sorted(every), "every job dispatched exactly once"
+    assert all(m["attempt"] == 1 for w in pulled for m in w.jobs)
+    assert all(w.jobs for w in pulled), "every worker got work"
+
+    # Each worker took the jobs that were waiting in queue order (priority, then submission).
+    rank = {j["id"]: n for n, j in enumerate(expected)}
+    for worker in pulled:
+        taken = [rank[m["job_id"]] for m in worker.jobs if m["job_id"] in rank]
+        assert taken == sorted(taken), f"{worker.worker_id} got waiting jobs out of order"
+
+
+def test_killing_one_process_loses_no_job_its_worker_moves_to_the_other(scaled) -> None:
+    stack, account, worker_token, workers = scaled
+    first = next(p for p in stack.processes if p.name == "daphne" and str(stack.port) in p.argv)
+    urls = [f"ws://127.0.0.1:{port}/ws/worker/?token={worker_token}" for port in (stack.port, stack.scale_port)]
+    worker = workers.add(Worker(urls, "mover:0", finish=False))
+    wait_until(lambda: worker.hellos == 1, "the worker's welcome")
+    other = api(stack, stack.scale_port, account)
+    ids = [submit(other) for _ in range(3)]
+    wait_until(lambda: len(worker.jobs) == 2, "the worker to hold two jobs")
+
+    stack.kill(first)  # kill -9: the worker's socket drops; it reconnects to the other process
+    wait_until(lambda: worker.hellos == 2, "the worker to say hello to the other process")
+    for job_id in [m["job_id"] for m in worker.jobs]:
+        workers.call(worker.complete(job_id))
+    wait_until(lambda: len(worker.jobs) == 3, "the third job, from the other process")
+    workers.call(worker.complete(worker.jobs[2]["job_id"]))
+
+    wait_until(lambda: all(j["state"] == "succeeded" for j in states(other, ids).values()), "every job to succeed")
+    final = states(other, ids)
+    assert [m["job_id"] for m in worker.jobs] == ids, "each job once, in order"
+    assert {j["attempts"] for j in final.values()} == {1}, "a worker that came back keeps its jobs: no retry"
