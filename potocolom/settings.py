@@ -112,6 +112,8 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    # A lost database answers 503 (with Retry-After), not 500, until it is back.
+    "potocolom.middleware.DatabaseUnavailableMiddleware",
 ]
 
 ROOT_URLCONF = "potocolom.urls"

@@ -225,3 +225,84 @@ def test_killing_one_process_loses_no_job_its_worker_moves_to_the_other(scaled) 
     final = states(other, ids)
     assert [m["job_id"] for m in worker.jobs] == ids, "each job once, in order"
     assert {j["attempts"] for j in final.values()} == {1}, "a worker that came back keeps its jobs: no retry"
+
+
+class CuttableProxy(threading.Thread):
+    """A TCP proxy to PostgreSQL that the test can cut (every connection dropped, new ones refused)
+    and restore: an outage of the database as the API sees it, without stopping the shared server."""
+
+    def __init__(self, host: str, port: int) -> None:
+        super().__init__(name="db-proxy", daemon=True)
+        self.target = (host, port)
+        self.loop = asyncio.new_event_loop()
+        self.port = 0
+        self.ready = threading.Event()
+        self.open = True
+        self.writers: set[asyncio.StreamWriter] = set()
+
+    def run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        server = self.loop.run_until_complete(asyncio.start_server(self.accept, "127.0.0.1", 0))
+        self.port = server.sockets[0].getsockname()[1]
+        self.ready.set()
+        self.loop.run_forever()
+
+    async def accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if not self.open:
+            writer.close()
+            return
+        upstream_reader, upstream_writer = await asyncio.open_connection(*self.target)
+        self.writers |= {writer, upstream_writer}
+
+        async def pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+            try:
+                while data := await source.read(65536):
+                    sink.write(data)
+                    await sink.drain()
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                sink.close()
+
+        await asyncio.gather(pipe(reader, upstream_writer), pipe(upstream_reader, writer))
+
+    def cut(self) -> None:
+        def drop() -> None:
+            self.open = False
+            for writer in self.writers:
+                writer.transport.abort()
+            self.writers.clear()
+
+        self.loop.call_soon_threadsafe(drop)
+
+    def restore(self) -> None:
+        self.loop.call_soon_threadsafe(setattr, self, "open", True)
+
+
+@pytest.mark.skipif(not os.environ.get("DATABASE_URL", "").startswith("postgres"),
+                    reason="the database outage is one of PostgreSQL")
+def test_a_database_outage_answers_503_then_recovers_without_a_restart(tmp_path: Path) -> None:
+    from urllib.parse import urlsplit
+
+    with Stack(workdir=tmp_path) as stack:
+        account, _ = stack.prepare()
+        stack.register(fake_manifest(MODEL))
+        database = urlsplit(stack.env["DATABASE_URL"])
+        proxy = CuttableProxy(database.hostname or "127.0.0.1", database.port or 5432)
+        proxy.start()
+        assert proxy.ready.wait(10)
+        stack.env["DATABASE_URL"] = database._replace(netloc=f"{database.username}@127.0.0.1:{proxy.port}").geturl()
+        stack.start_api()
+        client = api(stack, stack.port, account)
+        assert client.get("/api/v1/jobs/").status_code == 200
+
+        proxy.cut()
+        wait_until(lambda: client.get("/api/v1/jobs/").status_code == 503, "503 while the database is away")
+        response = client.post("/api/v1/jobs/", json={"model_id": MODEL, "params": {"prompt": "p"}})
+        assert response.status_code == 503 and response.headers["Retry-After"], response.text
+        assert response.json()["error"] == "unavailable"
+
+        proxy.restore()
+        wait_until(lambda: client.get("/api/v1/jobs/").status_code == 200, "the API to recover by itself")
+        job_id = submit(client)
+        assert client.get(f"/api/v1/jobs/{job_id}/").json()["state"] == "queued"
