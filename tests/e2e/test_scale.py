@@ -306,3 +306,22 @@ def test_a_database_outage_answers_503_then_recovers_without_a_restart(tmp_path:
         wait_until(lambda: client.get("/api/v1/jobs/").status_code == 200, "the API to recover by itself")
         job_id = submit(client)
         assert client.get(f"/api/v1/jobs/{job_id}/").json()["state"] == "queued"
+
+
+def test_a_redis_that_lost_the_queue_loses_no_job(scaled) -> None:
+    """Redis here keeps nothing on disk: a restart empties it. The queue is rebuilt from the database."""
+    import redis
+
+    stack, account, worker_token, workers = scaled
+    client = api(stack, stack.scale_port, account)
+    ids = [submit(client, priority=p) for p in (0, 1, 0)]
+    store = redis.Redis.from_url(os.environ["REDIS_URL"])
+    lost = [key for key in store.scan_iter(match="potocolom:*:jobs:*")]
+    assert lost, "the queue lives in Redis"
+    store.delete(*lost)  # what a restart of Redis does to it
+    store.script_flush()
+
+    assert client.get(f"/api/v1/jobs/{ids[2]}/").json()["position"] == 3
+    worker = workers.add(Worker([f"ws://127.0.0.1:{stack.port}/ws/worker/?token={worker_token}"], "after:0"))
+    wait_until(lambda: len(worker.jobs) == 3, "every job to be dispatched")
+    assert [m["job_id"] for m in worker.jobs] == [ids[1], ids[0], ids[2]]
