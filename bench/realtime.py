@@ -9,7 +9,7 @@ In one run, on loopback (SQLite, or PostgreSQL/Redis when DATABASE_URL/REDIS_URL
       p95 < 15 ms (Redis).
   (b) frames/s with the real worker (runworker_gpu, tiny model on CPU, 2 threads) at 1, 2, 4 and 8
       sessions, each sending its next frame as soon as its previous one comes back; batching on
-      (runworker_gpu as is) and off (the same worker code with every model's batch capped at 1).
+      (runworker_gpu as is) and off (runworker_gpu --max-batch 1).
       Goal fps(4) >= 1.5x fps(1) with batching on.
   (c) freed slot -> next session live: a fake worker with 1 slot, A live, B queued, close A, time
       until B gets `live`, p95. Goal < 50 ms.
@@ -40,16 +40,6 @@ from potocolom.stack import TINY_PNG_B64, Process, Stack, fake_manifest, next_of
 
 MODEL = "bench-live"
 WAIT_S = 120.0
-NO_BATCH_WORKER = """
-import asyncio, sys
-from pathlib import Path
-from workers.gpu.main import WorkerOptions, build_client
-api, token, models_dir = sys.argv[1:4]
-client = build_client(WorkerOptions(api=api, token=token, models_dir=Path(models_dir), device="cpu",
-                                    worker_id="bench-nobatch:0", threads=2, frame_budget_ms=60000.0))
-client.frames._max_batch = {m: 1 for m in client.frames._max_batch}  # batching off
-asyncio.run(client.run())
-"""
 
 
 def percentile(values: list[float], p: float) -> float:
@@ -264,15 +254,10 @@ def part_b(counts: list[int], seconds: float) -> dict[str, dict[int, float | str
         manifest = stack.manage("make_tiny_model", str(models_dir / "tiny"))
         stack.manage("load_manifests", manifest)
         stack.start_api()
-        workers = {
-            "batching on": lambda: stack.start_worker(worker_token, models_dir, "--threads", "2",
-                                                      "--frame-budget-ms", "60000"),
-            "batching off": lambda: stack.launch(Process(
-                "nobatch-worker", [sys.executable, "-c", NO_BATCH_WORKER, stack.ws_url, worker_token, str(models_dir)],
-                stack.env, stack.workdir / "worker-nobatch.log")),
-        }
-        for mode, start in workers.items():
-            worker = start()
+        worker_options = {"batching on": (), "batching off": ("--max-batch", "1")}
+        for mode, extra in worker_options.items():
+            worker = stack.start_worker(worker_token, models_dir, "--threads", "2", "--frame-budget-ms", "60000",
+                                        *extra)
             try:
                 results[mode] = {n: asyncio.run(drive(stack, account_token, n, seconds)) for n in counts}
             except Exception as exc:  # noqa: BLE001 - a failed mode is reported, the others still run

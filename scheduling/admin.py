@@ -31,7 +31,7 @@ class QueueOrderFilter(admin.SimpleListFilter):
 @admin.register(Job)
 class JobAdmin(admin.ModelAdmin):
     list_display = ["id", "account", "model_id", "state", "priority", "position", "attempts", "worker_id",
-                    "progress", "created_at", "finished_at"]
+                    "progress", "rung", "gpu_ms", "created_at", "finished_at"]
     list_filter = [QueueOrderFilter, "state", "model_id"]
     search_fields = ["id", "account__username", "model_id", "worker_id"]
     readonly_fields = [f.name for f in Job._meta.fields]

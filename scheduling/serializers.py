@@ -85,6 +85,7 @@ def job_payload(job: Job, *, position: int | None, image_url: Callable[[str], st
         "error": job.error,
         "progress": None if job.progress_steps is None else {"step": job.progress_step or 0,
                                                              "steps": job.progress_steps},
+        "rung": job.rung or None,
     }
 
 
@@ -102,11 +103,12 @@ class JobSerializer(serializers.ModelSerializer):
     position = serializers.SerializerMethodField()
     images = serializers.SerializerMethodField()
     progress = serializers.SerializerMethodField()
+    rung = serializers.CharField(read_only=True, allow_null=True, help_text="the memory rung the result ran on")
 
     class Meta:
         model = Job
         fields = ["id", "state", "model_id", "params", "priority", "attempts", "position", "worker_id",
-                  "created_at", "started_at", "finished_at", "images", "error", "progress"]
+                  "created_at", "started_at", "finished_at", "images", "error", "progress", "rung"]
         read_only_fields = fields
 
     def to_representation(self, job: Job) -> dict[str, Any]:

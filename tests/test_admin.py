@@ -56,3 +56,17 @@ def test_it_cancels_and_requeues_jobs_from_the_admin(staff_client: Client, alice
     assert Job.objects.get(id=job.id).state == JobState.CANCELLED
     staff_client.post("/admin/scheduling/job/", {"action": "requeue_jobs", "_selected_action": [str(job.id)]})
     assert Job.objects.get(id=job.id).state == JobState.QUEUED
+
+
+def test_it_shows_each_workers_models_with_their_rungs(staff_client: Client) -> None:
+    from workers.models import Worker
+
+    Worker.objects.create(worker_id="host-a:0", connected=True,
+                          gpu={"name": "NVIDIA H200", "total_mib": 143771, "free_mib": 140000}, served_models=[
+                              {"model_id": "tiny-a", "rung": "full", "realtime": True, "realtime_slots": 3},
+                              {"model_id": "big-b", "rung": "group_offload", "realtime": False, "realtime_slots": 0}])
+
+    page = staff_client.get("/admin/workers/worker/").content.decode()
+
+    assert "tiny-a (full, 3 realtime slots)" in page and "big-b (group_offload)" in page
+    assert "NVIDIA H200: 140000 of 143771 MiB free" in page

@@ -9,13 +9,25 @@ from workers.models import Worker, WorkerToken
 
 @admin.register(Worker)
 class WorkerAdmin(admin.ModelAdmin):
-    list_display = ["worker_id", "connected", "models_served", "jobs_in_flight", "gpu", "last_seen"]
+    list_display = ["worker_id", "connected", "models_served", "jobs_in_flight", "gpu_memory", "last_seen"]
     list_filter = ["connected"]
     readonly_fields = [f.name for f in Worker._meta.fields]
 
-    @admin.display(description="models")
+    @admin.display(description="models (rung)")
     def models_served(self, worker: Worker) -> str:
-        return ", ".join(f"{m['model_id']} ({m['rung']})" for m in worker.served_models)
+        """Each model with the memory rung it runs on (kept current by rung_changed)."""
+        def entry(m: dict) -> str:
+            slots = m.get("realtime_slots") or 0
+            realtime = f", {slots} realtime slots" if m.get("realtime") and slots else ""
+            return f"{m['model_id']} ({m.get('rung', '?')}{realtime})"
+        return ", ".join(entry(m) for m in worker.served_models)
+
+    @admin.display(description="GPU")
+    def gpu_memory(self, worker: Worker) -> str:
+        gpu = worker.gpu
+        if not isinstance(gpu, dict):
+            return "none (CPU)"
+        return f"{gpu.get('name')}: {gpu.get('free_mib')} of {gpu.get('total_mib')} MiB free"
 
     @admin.display(description="jobs in flight")
     def jobs_in_flight(self, worker: Worker) -> str:

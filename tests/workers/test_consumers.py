@@ -242,6 +242,7 @@ async def test_it_walks_a_job_from_dispatched_to_succeeded_and_serves_its_image(
     await eventually(state_is(job_id, "succeeded"))
     done = await rest_job(alice, job_id)
     assert done["finished_at"] and done["error"] is None and len(done["images"]) == 1
+    assert done["rung"] == "full"
     row = await job_row(job_id)
     assert (row["gpu_ms"], row["rung"]) == (42.0, "full")
 
@@ -540,3 +541,30 @@ async def test_it_ignores_a_job_failed_for_a_job_another_worker_holds(models, al
     assert await other.silent(0.3), "the other worker got a job beyond JOB_DISPATCH_DEPTH"
     assert await snapshot() == before
     assert await job_states(theirs) == ["dispatched", "dispatched", "queued"]
+
+
+@database_sync_to_async
+def served_models(worker_id: str):
+    from workers.models import Worker
+
+    return Worker.objects.get(worker_id=worker_id).served_models
+
+
+async def test_a_rung_changed_updates_what_operators_see_of_the_worker_and_nothing_else(models, alice, workers):
+    worker = workers()
+    await worker.join(["tiny-a", "tiny-b"])
+
+    await worker.send({"type": "rung_changed", "model_id": "tiny-a", "rung": "model_offload", "realtime": False,
+                       "realtime_slots": 0})
+
+    changed = {"model_id": "tiny-a", "rung": "model_offload", "realtime": False, "frame_ms_p95": None,
+               "realtime_slots": 0}
+    assert await eventually(lambda: _served_if(changed))
+    assert (await served_models("host-a:0"))[1] == {"model_id": "tiny-b", "rung": "full", "realtime": False,
+                                                    "frame_ms_p95": None, "realtime_slots": 0}
+    job_id = await submit(alice)  # jobs still go to the model on its new rung
+    assert (await worker.receive())["job_id"] == job_id
+
+
+async def _served_if(entry):
+    return entry in await served_models("host-a:0")

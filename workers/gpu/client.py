@@ -12,6 +12,10 @@ Live drawing sessions (sessions.SessionDesk) hold the realtime slots measured at
 (frames.py); their frames run on the same denoising thread as jobs, before the next job and
 between a job's steps, and come back as frame_result messages. A dropped connection ends them all.
 
+When a job runs out of memory under MEMORY_MODE auto, the denoising thread moves its model one
+rung down (`_demote_model`: freed, reloaded, placed) and the client says so with `rung_changed`;
+below full the model has no realtime, so its live sessions here end.
+
 This module imports nothing from the API's Django code: a GPU host runs it with no database.
 """
 from __future__ import annotations
@@ -32,6 +36,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidSta
 
 from workers.gpu.frames import FramePipeline, FrameRunner, RealtimeCapacity
 from workers.gpu.jobs import DenoiseLoop, Encode, HeldJob, JobTiming, Pipeline, encode_png_b64
+from workers.gpu.ladder import MODE_AUTO
 from workers.gpu.sessions import SessionDesk
 
 log = logging.getLogger(__name__)
@@ -119,13 +124,17 @@ class WorkerClient:
     `timings` lists a JobTiming per job received, in arrival order (see jobs.denoise_idle_gaps).
     `encode` is the seam that turns images into job_result strings (tests slow it down).
     `realtime` is each model's measured capacity (frames.measure_capacity); a model without one,
-    or not on the full rung, serves no sessions.
+    or not on the full rung, serves no sessions. `memory_mode` is MEMORY_MODE (what an
+    out-of-memory error may do, see jobs.py); `gpu_info`, when given, is read for each hello's
+    `gpu` instead of `config.gpu` (so free memory is current).
     """
 
     def __init__(self, config: WorkerConfig, pipelines: Mapping[str, Pipeline], *,
                  encode: Encode = encode_png_b64, clock: Callable[[], float] = time.monotonic,
-                 realtime: Mapping[str, RealtimeCapacity] | None = None):
+                 realtime: Mapping[str, RealtimeCapacity] | None = None, memory_mode: str = MODE_AUTO,
+                 gpu_info: Callable[[], dict[str, Any] | None] | None = None):
         self.config = config
+        self._gpu_info = gpu_info
         self.url = worker_socket_url(config.api_url, config.token)
         self.pipelines = dict(pipelines)
         self.timings: list[JobTiming] = []
@@ -139,7 +148,8 @@ class WorkerClient:
         self.frames = FrameRunner(frame_pipelines, {m: c.slots for m, c in (realtime or {}).items()},
                                   self._post_frame, clock=clock)
         self._denoiser = DenoiseLoop(self.pipelines, self._post, self._release_threadsafe,
-                                     encode=encode, clock=clock, frames=self.frames)
+                                     encode=encode, clock=clock, frames=self.frames, memory_mode=memory_mode,
+                                     demote=self._demote_model)
         self.sessions = SessionDesk(cast(Mapping[str, FramePipeline], self.pipelines), realtime or {}, self.frames,
                                     self._denoiser.wake, clock=clock)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -161,7 +171,8 @@ class WorkerClient:
     def hello_message(self) -> dict[str, Any]:
         """The first message of every connection: who we are and what we serve, on which rung."""
         models = [self.sessions.hello_entry(model_id, pipeline.rung) for model_id, pipeline in self.pipelines.items()]
-        return {"type": "hello", "worker_id": self.config.worker_id, "gpu": self.config.gpu, "models": models}
+        gpu = self._gpu_info() if self._gpu_info is not None else self.config.gpu
+        return {"type": "hello", "worker_id": self.config.worker_id, "gpu": gpu, "models": models}
 
     async def run(self) -> None:
         """Serve until stop(), reconnecting forever; raises TokenRefused on close code 4001."""
@@ -318,6 +329,26 @@ class WorkerClient:
             self.sessions.frame(_text_field(message, "session_id"), message)
         except ValueError as exc:  # sessions.BadFrame
             raise BadMessage(str(exc)) from exc
+
+    # --- the memory ladder ----------------------------------------------------------------------
+
+    def _demote_model(self, model_id: str, rung: str) -> None:
+        """On the denoising thread: move a model down to `rung` (freed, reloaded, placed), then
+        tell the API. The other models stay loaded, and run again as soon as this returns."""
+        pipeline = self.pipelines[model_id]
+        old, started = pipeline.rung, time.perf_counter()
+        pipeline.move_to(rung)
+        log.warning("model %s moved down from rung %s to %s after running out of memory (reloaded in %.1f s)",
+                    model_id, old, rung, time.perf_counter() - started)
+        self._call_soon(self._rung_changed, model_id)
+
+    def _rung_changed(self, model_id: str) -> None:
+        """On the event loop: end the model's live sessions here when it lost realtime, and send
+        rung_changed (the API sends those sessions back to its queue)."""
+        rung = self.pipelines[model_id].rung
+        self.sessions.demote(model_id, rung)
+        message = {"type": "rung_changed", **self.sessions.hello_entry(model_id, rung)}
+        self._enqueue(_Outgoing("rung_changed", json.dumps(message), None))
 
     # --- outgoing -----------------------------------------------------------------------------
 

@@ -21,6 +21,19 @@ and seed.
 When frames run. Frames and jobs share the one denoising thread: pending frames run before the
 next job, and between two denoising steps of a running job (its step callback), so a long job
 delays frames by one step at most, not by the whole job. A batch of frames is never interrupted.
+
+Gathering. Each session sends its next frame once its last one came back, so after a batch the
+sessions in it send again a few milliseconds apart (encoding, the relay through the API). Run at
+the first arrival, a batch of 4 would split into batches of 1 and 3 for good. So the idle
+denoising thread waits for the sessions that drew lately (`active_sessions`: a frame of theirs
+ran within the last few frame times) until each has a frame pending, but never longer than a
+window (`gather_window`: a fraction of the last batch's call time, capped) counted from the end
+of the last batch or the first pending frame, whichever is later (`gather_wait`, pure). A lone
+session never waits, nor does anything with batching off; frames run between a job's steps do
+not wait either.
+
+Batching off. `runworker_gpu --max-batch N` caps every call at N frames (`batch_limits`, pure);
+`--max-batch 1` turns batching off. Slots are still counted from the measurement.
 """
 from __future__ import annotations
 
@@ -31,7 +44,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -57,6 +70,9 @@ BATCH_CAP = 16  # the largest batch measured, so the most slots a model advertis
 MEASURE_REPEATS = 4  # timed calls per batch size (after one warm-up call)
 MEASURE_SECONDS = 10.0  # no larger batch size is tried once measuring a model took this long
 JPEG_QUALITY = 85  # frame_result images: JPEG is a fraction of PNG's size for drawings
+GATHER_FRACTION = 0.25  # the gather window: at most this fraction of the last batch's call time...
+GATHER_MAX_SECONDS = 0.05  # ...and never more than this
+ACTIVE_FRAMES = 3  # a session that ran no frame for this many frame times is not waited for
 
 
 def frame_budget_ms_from_env(environ: Mapping[str, str] = os.environ) -> float:
@@ -274,6 +290,39 @@ def group_frames(frames: Sequence[Frame], max_batch: Mapping[str, int]) -> list[
     return batches
 
 
+def batch_limits(slots: Mapping[str, int], max_batch: int | None = None) -> dict[str, int]:
+    """Frames per pipeline call for each model: its slots, capped at max_batch (--max-batch) when
+    given; at least 1."""
+    return {model_id: max(1, n if max_batch is None else min(n, max_batch)) for model_id, n in slots.items()}
+
+
+def gather_window(last_call_seconds: float, max_batch: Mapping[str, int], *, fraction: float = GATHER_FRACTION,
+                  cap: float = GATHER_MAX_SECONDS) -> float:
+    """Seconds the idle denoising thread may wait for more frames: a fraction of the last batch's
+    call time, capped; 0 when no model batches (nothing to gather)."""
+    if not any(n > 1 for n in max_batch.values()):
+        return 0.0
+    return max(0.0, min(cap, fraction * last_call_seconds))
+
+
+def active_sessions(last_ran: Mapping[str, float], *, now: float, horizon: float) -> set[str]:
+    """The sessions whose latest frame ran (its batch ended) within `horizon` seconds of now."""
+    return {session_id for session_id, ended in last_ran.items() if now - ended <= horizon}
+
+
+def gather_wait(*, now: float, pending: Collection[str], active: Collection[str], first_received: float,
+                last_end: float, window: float) -> float:
+    """Seconds to wait before running the pending frames (0 or less: run them now).
+
+    Now when nothing is pending, when every active session has a frame pending, or when the window
+    is over; the window starts at the end of the last batch or at the first pending frame's
+    arrival, whichever is later, so sessions just answered get their round trip.
+    """
+    if not pending or window <= 0 or set(active) <= set(pending):
+        return 0.0
+    return max(first_received, last_end) + window - now
+
+
 def encode_jpeg_b64(image: Image, quality: int = JPEG_QUALITY) -> str:
     """frame_result.image: bare base64 JPEG."""
     buffer = io.BytesIO()
@@ -288,31 +337,41 @@ class FrameQueue:
     """Pending frames, newest per session only; safe to use from any thread."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._changed = threading.Condition()
         self._pending: dict[str, Frame] = {}
 
     def put(self, frame: Frame) -> bool:
         """Queue a frame (an older pending frame of its session is replaced; an older frame than
         the pending one is dropped); True when the queue was empty before."""
-        with self._lock:
+        with self._changed:
             was_empty = not self._pending
             held = self._pending.get(frame.session_id)
             if held is None or frame.seq >= held.seq:
                 self._pending[frame.session_id] = frame
+            self._changed.notify_all()
             return was_empty
 
-    def take(self) -> list[Frame]:
-        with self._lock:
+    def take(self, wait: Callable[[Sequence[Frame]], float] | None = None) -> list[Frame]:
+        """Take every pending frame. With `wait`, first wait while wait(pending frames) gives
+        seconds left (more than 0): each put, drop or clear asks it again."""
+        with self._changed:
+            while wait is not None and self._pending:
+                seconds = wait(list(self._pending.values()))
+                if seconds <= 0:
+                    break
+                self._changed.wait(seconds)
             frames, self._pending = list(self._pending.values()), {}
             return frames
 
     def drop_session(self, session_id: str) -> None:
-        with self._lock:
+        with self._changed:
             self._pending.pop(session_id, None)
+            self._changed.notify_all()
 
     def clear(self) -> None:
-        with self._lock:
+        with self._changed:
             self._pending.clear()
+            self._changed.notify_all()
 
 
 PostFrame = Callable[[dict[str, Any]], None]
@@ -332,21 +391,58 @@ class FrameRunner:
         self.busy_seconds = 0.0
         self._pipelines = pipelines
         self._max_batch = dict(max_batch)
+        self._last_ran: dict[str, float] = {}  # session_id -> clock when its latest frame's batch ended
+        self._last_end = 0.0  # clock when the latest batch ended
+        self._last_call_seconds = 0.0  # the latest batch's pipeline call
         self._post = post
         self._encode = encode
         self._clock = clock
         # Its own encoder, so a frame never waits behind a big job's PNG.
         self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="frame-encode")
 
-    def run_pending(self) -> int:
-        """On the denoising thread: run every pending frame now, batched; return the batches run."""
-        frames = self.queue.take()
+    def cap_batches(self, max_batch: int | None) -> None:
+        """At most max_batch frames per pipeline call (--max-batch; 1 turns batching off)."""
+        self._max_batch = batch_limits(self._max_batch, max_batch)
+        if max_batch is not None:
+            log.info("realtime frames: at most %d per pipeline call%s", max_batch,
+                     " (batching off)" if max_batch == 1 else "")
+
+    @property
+    def max_batch(self) -> dict[str, int]:
+        return dict(self._max_batch)
+
+    def run_pending(self, *, gather: bool = True) -> int:
+        """On the denoising thread: run the pending frames, batched; return the batches run.
+
+        With gather (the thread is idle), first wait for the active sessions' frames, within the
+        gather window (see the module docstring); without, run what is pending now.
+        """
+        frames = self.queue.take(self._gather_wait if gather else None)
         if not frames:
             return 0
         ran = 0
         for batch in group_frames(frames, self._max_batch):
             ran += self._run_batch(batch)
         return ran
+
+    def _gather_wait(self, pending: Sequence[Frame]) -> float:
+        now = self._clock()
+        window = gather_window(self._last_call_seconds, self._max_batch)
+        if window <= 0:
+            return 0.0
+        horizon = ACTIVE_FRAMES * (self._last_call_seconds + window)
+        last_ran = self._last_ran.copy()  # one atomic copy: drop_session runs on the event loop
+        active = active_sessions(last_ran, now=now, horizon=horizon)
+        for session_id in set(last_ran) - active:  # forget sessions that stopped drawing
+            self._last_ran.pop(session_id, None)
+        return gather_wait(now=now, pending={f.session_id for f in pending}, active=active,
+                           first_received=min(f.received for f in pending), last_end=self._last_end,
+                           window=window)
+
+    def drop_session(self, session_id: str) -> None:
+        """The session ended: drop its pending frame, and wait for it no more."""
+        self._last_ran.pop(session_id, None)  # first: dropping the frame wakes a gathering thread
+        self.queue.drop_session(session_id)
 
     def _run_batch(self, batch: list[Frame]) -> int:
         decoded: list[tuple[Frame, Image]] = []
@@ -371,10 +467,14 @@ class FrameRunner:
             self.busy_seconds += self._clock() - started
             log.exception("a batch of %d frame(s) of %s failed", len(decoded), batch[0].model_id)
             return 0
-        elapsed = self._clock() - started
+        ended = self._clock()
+        elapsed = ended - started
         self.busy_seconds += elapsed
         gpu_ms = round(elapsed * 1000, 1)
         self.runs.append((started, len(decoded)))
+        self._last_end, self._last_call_seconds = ended, elapsed
+        for frame, _ in decoded:
+            self._last_ran[frame.session_id] = ended
         try:
             self._encoder.submit(self._send, [f for f, _ in decoded], images, gpu_ms)
         except RuntimeError:  # the encoder was shut down: the worker is stopping

@@ -8,6 +8,12 @@ done with, one way or another).
 
 Realtime frames (frames.FrameRunner) share the thread: pending frames run before the next job
 and between two denoising steps of the running job; `wake()` says frames are waiting.
+
+Out of memory (the memory ladder): when a job's pipeline call runs out of device memory, the
+rung it ran on and MEMORY_MODE decide (ladder.rung_after_oom). Under `auto` the model moves one
+rung down (`demote`: freed, reloaded there, rung_changed sent) and the job is retried once on
+the new rung; an out-of-memory error on the retry, on a pinned rung or on the lowest rung fails
+the job with a message that says so.
 """
 from __future__ import annotations
 
@@ -22,7 +28,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from workers.gpu.pipelines import JobCancelled, OnStep, ShouldStop
+from workers.gpu.ladder import MODE_AUTO, rung_after_oom
+from workers.gpu.pipelines import JobCancelled, OnStep, OutOfMemory, ShouldStop
 
 if TYPE_CHECKING:
     from PIL.Image import Image
@@ -43,6 +50,8 @@ class Pipeline(Protocol):
     def generate(self, params: Any, *, on_step: OnStep | None = None,
                  should_stop: ShouldStop | None = None) -> list[Image]: ...
 
+    def move_to(self, rung: str) -> None: ...
+
 
 @dataclass
 class JobTiming:
@@ -60,12 +69,16 @@ class JobTiming:
     encode_end: float | None = None
     sent: float | None = None
     outcome: str = "held"
+    rung: str | None = None  # the rung the job's last pipeline call ran on
+    gpu_ms: float | None = None  # job_result.gpu_ms: the successful call's own time
 
     def summary(self) -> str:
-        """One log line: where the job's time went, in milliseconds."""
+        """One log line: where the job's time went, in milliseconds, and the rung it ran on."""
         def ms(start: float | None, end: float | None) -> str:
             return "-" if start is None or end is None else f"{(end - start) * 1000:.0f}"
-        return (f"job {self.job_id} ({self.model_id}) {self.outcome}: waited "
+        gpu = "-" if self.gpu_ms is None else f"{self.gpu_ms:.0f}"
+        return (f"job {self.job_id} ({self.model_id}) {self.outcome} on rung {self.rung or '-'}, gpu {gpu} ms: "
+                f"waited "
                 f"{ms(self.received, self.denoise_start)} ms, denoised {ms(self.denoise_start, self.denoise_end)} ms, "
                 f"encoded {ms(self.encode_start, self.encode_end)} ms, sent "
                 f"{ms(self.encode_end, self.sent)} ms after encoding, {ms(self.received, self.sent)} ms in all")
@@ -123,6 +136,7 @@ _WAKE = object()  # queued by wake(): frames are waiting
 Post = Callable[[dict[str, Any], "HeldJob | None"], None]
 Release = Callable[[HeldJob], None]
 Encode = Callable[[Sequence["Image"]], list[str]]
+Demote = Callable[[str, str], None]  # (model_id, rung): move the model down, on the denoising thread
 
 
 class DenoiseLoop:
@@ -130,8 +144,10 @@ class DenoiseLoop:
 
     def __init__(self, pipelines: Mapping[str, Pipeline], post: Post, release: Release, *,
                  encode: Encode = encode_png_b64, clock: Callable[[], float] = time.monotonic,
-                 frames: FrameRunner | None = None):
+                 frames: FrameRunner | None = None, memory_mode: str = MODE_AUTO, demote: Demote | None = None):
         self._pipelines = pipelines
+        self._memory_mode = memory_mode
+        self._demote = demote
         self._post = post
         self._release = release
         self._encode = encode
@@ -165,13 +181,14 @@ class DenoiseLoop:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
-    def _run_frames(self) -> float:
-        """Run the pending frames; return the seconds they took."""
+    def _run_frames(self, *, gather: bool = True) -> float:
+        """Run the pending frames (gather: the thread is idle, so it may wait a moment for more
+        frames to batch; see frames.py); return the seconds they took."""
         if self._frames is None or self._stopping.is_set():
             return 0.0
         before = self._frames.busy_seconds
         try:
-            self._frames.run_pending()
+            self._frames.run_pending(gather=gather)
         except Exception:  # never let frames end the loop
             log.exception("unexpected error running realtime frames")
         return self._frames.busy_seconds - before
@@ -205,28 +222,74 @@ class DenoiseLoop:
         def on_step(step: int, steps: int) -> None:
             nonlocal frame_seconds
             self._post({"type": "job_progress", "job_id": job.job_id, "step": step, "steps": steps}, job)
-            frame_seconds += self._run_frames()  # between two steps: frames wait one step at most
+            frame_seconds += self._run_frames(gather=False)  # between two steps: frames wait one step at most
 
-        try:
-            images = pipeline.generate(job.params, on_step=on_step,
-                                       should_stop=lambda: job.cancelled or self._stopping.is_set())
-        except JobCancelled:
-            timing.denoise_end = self._clock()
-            timing.outcome = "cancelled"
-            log.info("job %s cancelled while denoising", job.job_id)
-            self._release(job)
-            return
-        except Exception as exc:
-            timing.denoise_end = self._clock()
-            log.warning("job %s failed: %s", job.job_id, short_error(exc))
-            self._fail(job, short_error(exc))
-            return
+        retried_from: str | None = None  # the rung of the first attempt, once the job is retried
+        while True:
+            started, frames_before = self._clock(), frame_seconds
+            timing.rung = pipeline.rung
+            try:
+                images = pipeline.generate(job.params, on_step=on_step,
+                                           should_stop=lambda: job.cancelled or self._stopping.is_set())
+                break
+            except JobCancelled:
+                timing.denoise_end = self._clock()
+                timing.outcome = "cancelled"
+                log.info("job %s cancelled while denoising", job.job_id)
+                self._release(job)
+                return
+            except OutOfMemory as exc:
+                lower = self._rung_after_oom(job, pipeline.rung, retried_from, str(exc))
+                if lower is None:
+                    return
+                retried_from = pipeline.rung
+            except Exception as exc:
+                timing.denoise_end = self._clock()
+                log.warning("job %s failed: %s", job.job_id, short_error(exc))
+                self._fail(job, short_error(exc))
+                return
+            if not self._move_down(job, lower):
+                return
         timing.denoise_end = self._clock()
-        gpu_ms = (timing.denoise_end - timing.denoise_start - frame_seconds) * 1000  # the job's own time
+        # The job's own time on the rung it ended on: not the failed call, the reload or frames.
+        gpu_ms = (timing.denoise_end - started - (frame_seconds - frames_before)) * 1000
+        timing.gpu_ms = gpu_ms
         try:
             self._encoder.submit(self._encode_result, job, images, gpu_ms, pipeline.rung)
         except RuntimeError:  # the encoder was shut down: the worker is stopping
             log.info("job %s dropped: the worker is stopping", job.job_id)
+
+    def _rung_after_oom(self, job: HeldJob, rung: str, retried_from: str | None, detail: str) -> str | None:
+        """Where the model goes after an out-of-memory error in this job; None: the job failed."""
+        lower = rung_after_oom(rung, self._memory_mode)
+        if lower is not None and retried_from is None and self._demote is not None:
+            log.warning("job %s: out of memory on rung %s; moving model %s down to %s and retrying once",
+                        job.job_id, rung, job.model_id, lower)
+            return lower
+        if retried_from is not None:
+            error = f"out of memory again on rung {rung} after moving down from {retried_from}: {detail}"
+        elif self._memory_mode != MODE_AUTO:
+            error = f"out of memory on rung {rung}, pinned by MEMORY_MODE={self._memory_mode}: {detail}"
+        elif lower is None:
+            error = f"out of memory on rung {rung}, the lowest there is: {detail}"
+        else:
+            error = f"out of memory on rung {rung}: {detail}"
+        job.timing.denoise_end = self._clock()
+        log.warning("job %s failed: %s", job.job_id, error)
+        self._fail(job, short_error(RuntimeError(error)))
+        return None
+
+    def _move_down(self, job: HeldJob, rung: str) -> bool:
+        """Demote the job's model to `rung`; False (and the job failed) when that did not work."""
+        assert self._demote is not None
+        try:
+            self._demote(job.model_id, rung)
+        except Exception as exc:
+            job.timing.denoise_end = self._clock()
+            log.exception("model %s could not be moved down to rung %s", job.model_id, rung)
+            self._fail(job, short_error(RuntimeError(f"out of memory, and moving down to rung {rung} failed: {exc}")))
+            return False
+        return True
 
     def _encode_result(self, job: HeldJob, images: list[Image], gpu_ms: float, rung: str) -> None:
         """On the encoder thread: PNG + base64, then job_result (nothing for a cancelled job)."""

@@ -13,12 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from workers.gpu.ladder import MEMORY_MODES
 from workers.gpu.models import discover_models
+from workers.gpu.vram import device_index
 
 log = logging.getLogger(__name__)
-
-MEMORY_MODES = ("auto", "full", "model_offload", "group_offload")
-IMPLEMENTED_RUNGS = ("full",)  # the memory ladder (offload rungs) comes in a later issue
 
 
 class WorkerStartError(RuntimeError):
@@ -33,13 +32,14 @@ class WorkerOptions:
     token: str
     models_dir: Path
     models: list[str] | None = None  # --models narrows the installed models
-    memory_mode: str = "auto"
+    memory_mode: str = "auto"  # MEMORY_MODE: auto, or a pinned rung (ladder.MEMORY_MODES)
     device: str | None = None  # None: cuda when available, else cpu
-    vram_mib: int | None = None  # a pretend VRAM budget (used by the memory ladder)
+    vram_mib: int | None = None  # a VRAM budget in MiB for the memory ladder (pretend VRAM without CUDA)
     worker_id: str | None = None
     threads: int | None = None
     frame_budget_ms: float = 500.0  # FRAME_BUDGET_MS: the per-frame p95 that realtime slots are sized to
     realtime: bool = True  # False (--no-realtime): measure nothing, serve no sessions
+    max_batch: int | None = None  # --max-batch: at most this many frames per pipeline call (1: batching off)
 
 
 def default_device() -> str:
@@ -48,46 +48,13 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def device_index(device: str) -> int:
-    """0 for "cpu" and "cuda", N for "cuda:N"."""
-    _, _, index = device.partition(":")
-    return int(index) if index.isdigit() else 0
-
-
 def default_worker_id(device: str) -> str:
     return f"{socket.gethostname()}:{device_index(device)}"
-
-
-def gpu_info(device: str) -> dict[str, Any] | None:
-    """{"name", "total_mib", "free_mib"} of the CUDA device from NVML (torch as a fallback); None on CPU."""
-    if not device.startswith("cuda"):
-        return None
-    index = device_index(device)
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            name = pynvml.nvmlDeviceGetName(handle)
-            memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
-            return {"name": name.decode() if isinstance(name, bytes) else str(name),
-                    "total_mib": int(memory.total) // 2**20, "free_mib": int(memory.free) // 2**20}
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception as exc:  # NVML missing or refusing: torch still knows the basics
-        log.warning("NVML gave no GPU info (%s); asking torch", exc)
-        import torch
-
-        free, total = torch.cuda.mem_get_info(index)
-        return {"name": torch.cuda.get_device_name(index), "total_mib": total // 2**20, "free_mib": free // 2**20}
 
 
 def _check(options: WorkerOptions, device: str) -> None:
     if options.memory_mode not in MEMORY_MODES:
         raise WorkerStartError(f"--memory-mode must be one of {', '.join(MEMORY_MODES)}, got {options.memory_mode!r}")
-    if options.memory_mode not in ("auto", *IMPLEMENTED_RUNGS):
-        log.warning("--memory-mode %s is not implemented yet: every model runs on rung full", options.memory_mode)
     if not (device == "cpu" or device == "cuda" or device.startswith("cuda:")):
         raise WorkerStartError(f"--device must be cuda, cuda:N or cpu, got {device!r}")
     if device.startswith("cuda"):
@@ -100,7 +67,7 @@ def _check(options: WorkerOptions, device: str) -> None:
 def measure_realtime(pipelines: dict[str, Any], budget_ms: float) -> dict[str, Any]:
     """Each full-rung img2img model's RealtimeCapacity (frames.measure_capacity), by model_id."""
     from workers.gpu.frames import describe, measure_capacity
-    from workers.gpu.pipelines import RUNG_FULL
+    from workers.gpu.ladder import RUNG_FULL
 
     capacities = {}
     for model_id, pipeline in pipelines.items():
@@ -127,25 +94,46 @@ def build_client(options: WorkerOptions) -> Any:
     import torch
 
     from workers.gpu.client import WorkerClient, WorkerConfig
-    from workers.gpu.pipelines import PipelineLoadError, load_pipelines
+    from workers.gpu.loading import load_pipelines
+    from workers.gpu.pipelines import InjectedOutOfMemory, PipelineLoadError
+    from workers.gpu.vram import VramBudget
 
     if options.threads:
         torch.set_num_threads(options.threads)
     device = options.device or default_device()
     _check(options, device)
+    if device.startswith("cuda"):
+        torch.zeros(1, device=device)  # the CUDA context first, so the free figure already counts it
+    budget = VramBudget(device, options.vram_mib)
     try:
-        pipelines = load_pipelines(models, device)
-    except PipelineLoadError as exc:
+        fault = InjectedOutOfMemory.from_env()  # a test seam: None unless POTOCOLOM_TEST_OOM is set
+        loaded = load_pipelines(models, device, mode=options.memory_mode, budget=budget, fault=fault)
+    except (PipelineLoadError, ValueError) as exc:
         raise WorkerStartError(str(exc)) from exc
+    pipelines = loaded.pipelines
+    if not pipelines:
+        reasons = "; ".join(f"{model_id}: {why}" for model_id, why in loaded.refused.items())
+        raise WorkerStartError(f"no model fits this worker's memory ({reasons})")
     realtime = measure_realtime(pipelines, options.frame_budget_ms) if options.realtime else {}
     worker_id = options.worker_id or default_worker_id(device)
+
+    def current_gpu() -> dict[str, Any] | None:
+        """hello.gpu now: a demoted model no longer holds its weights against a --vram-mib budget."""
+        budget.held_bytes = sum(p.footprint.resident_bytes(p.rung) for p in pipelines.values() if p.footprint)
+        return budget.gpu_info()
+
     try:
-        config = WorkerConfig(api_url=options.api, token=options.token, worker_id=worker_id, gpu=gpu_info(device))
-        client = WorkerClient(config, pipelines, realtime=realtime)
+        config = WorkerConfig(api_url=options.api, token=options.token, worker_id=worker_id, gpu=current_gpu())
+        client = WorkerClient(config, pipelines, realtime=realtime, memory_mode=options.memory_mode,
+                              gpu_info=current_gpu)
     except ValueError as exc:
         raise WorkerStartError(str(exc)) from exc
-    log.info("worker %s serves %s on %s (vram budget %s MiB)", worker_id, ", ".join(pipelines), device,
-             options.vram_mib if options.vram_mib is not None else "not set")
+    client.frames.cap_batches(options.max_batch)
+    rungs = ", ".join(f"{model_id} ({pipeline.rung})" for model_id, pipeline in pipelines.items())
+    log.info("worker %s serves %s on %s, MEMORY_MODE %s, VRAM budget %s", worker_id, rungs, device,
+             options.memory_mode, f"{options.vram_mib} MiB" if options.vram_mib is not None else "not set")
+    if loaded.refused:
+        log.warning("not served (fit on no rung): %s", ", ".join(loaded.refused))
     return client
 
 

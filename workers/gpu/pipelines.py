@@ -2,7 +2,10 @@
 
 One adapter, "simple over easy" (diffusers' own rule): `check_inputs` turns a job's params into a
 checked `GenerationRequest` or fails loudly, and `generate` runs numbered steps. Progress and
-cancellation go through the pipeline's `callback_on_step_end` and `interrupt`.
+cancellation go through the pipeline's `callback_on_step_end` and `interrupt`. Reading the model
+and placing it on a memory rung is placement.py's (`place` is re-exported here); a job's call of
+the diffusers pipeline goes through one seam, `DiffusersPipeline._call`, where torch's
+out-of-memory error becomes `OutOfMemory` (and where tests inject one).
 
 torch and diffusers are imported lazily, inside the worker program only: the API process imports
 nothing from here.
@@ -11,17 +14,27 @@ from __future__ import annotations
 
 import base64
 import binascii
-import contextlib
-import copy
 import io
 import logging
 import os
 import random
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from workers.gpu.footprints import default_size
+from workers.gpu.ladder import RUNG_FULL, RUNG_GROUP_OFFLOAD, Footprint
 from workers.gpu.models import InstalledModel
+from workers.gpu.placement import (  # noqa: F401  (re-exported: the adapter's public names)
+    Modules,
+    PipelineLoadError,
+    img2img_class,
+    offload_dir_for,
+    place,
+    read_modules,
+    torch_dtype_for,
+)
 
 if TYPE_CHECKING:
     from PIL.Image import Image
@@ -34,11 +47,12 @@ DEFAULT_STRENGTH = 0.8  # diffusers' img2img default
 MAX_SEED = 2**32 - 1
 MAX_STEPS = 1000  # the scheduler's training steps; a model's params_schema narrows this
 SIZE_MULTIPLE = 8  # diffusers' Stable Diffusion pipelines reject sizes that are not multiples of 8
-RUNG_FULL = "full"
+TEST_OOM_ENV = "POTOCOLOM_TEST_OOM"  # test only: see InjectedOutOfMemory
 _MESSAGE_CHARS = 300  # error messages travel in job_failed; an echoed init_image must not
 
 OnStep = Callable[[int, int], None]
 ShouldStop = Callable[[], bool]
+Fault = Callable[[str], None]  # called with the model_id before each job call of a pipeline (tests inject OOM)
 
 
 class InvalidParams(ValueError):
@@ -49,8 +63,8 @@ class JobCancelled(Exception):
     """The job was interrupted on request; nothing is to be sent for it."""
 
 
-class PipelineLoadError(RuntimeError):
-    """A model's pipeline could not be loaded from its source."""
+class OutOfMemory(RuntimeError):
+    """The device ran out of memory while a job ran (torch.OutOfMemoryError, memory given back)."""
 
 
 @dataclass(frozen=True)
@@ -146,92 +160,138 @@ def check_schema(schema: dict[str, Any], params: Any) -> None:
         raise InvalidParams(f"{where}: {_short(error.message)}")
 
 
-def place(pipe: Any, device: str, rung: str = RUNG_FULL) -> str:
-    """Put the pipeline's modules where `rung` says, on `device`; return the rung it runs on.
+class InjectedOutOfMemory:
+    """Test only: raises torch.OutOfMemoryError in place of the next `count` job calls of `model_id`.
 
-    Only full residency exists for now; the memory ladder (model/group offload) lands here.
+    CUDA out-of-memory errors cannot be had on a CPU machine, so tests inject them at the one seam
+    where a job calls its pipeline (DiffusersPipeline._call). In-process tests pass one to
+    DiffusersPipeline; a test running a real worker process sets POTOCOLOM_TEST_OOM=MODEL_ID:COUNT
+    (read once, by the worker's start-up: `from_env`). Never set it in production.
     """
-    if rung != RUNG_FULL:
-        raise NotImplementedError(f"rung {rung!r} is not implemented yet; only {RUNG_FULL!r}")
-    pipe.to(device)
-    return rung
 
+    def __init__(self, counts: dict[str, int]):
+        self.counts = dict(counts)
+        self._lock = threading.Lock()
 
-@contextlib.contextmanager
-def _quiet(logger_name: str) -> Iterator[None]:
-    """Hold back one logger's warnings for the duration."""
-    logger = logging.getLogger(logger_name)
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> InjectedOutOfMemory | None:
+        text = environ.get(TEST_OOM_ENV, "").strip()
+        if not text:
+            return None
+        counts = {}
+        for part in text.split(","):
+            model_id, _, count = part.strip().rpartition(":")
+            if not model_id or not count.isdigit():
+                raise ValueError(f"{TEST_OOM_ENV} must be MODEL_ID:COUNT[,...], got {text!r}")
+            counts[model_id] = int(count)
+        log.warning("%s is set: injecting out-of-memory errors into jobs (%s); a test setting only", TEST_OOM_ENV,
+                    text)
+        return cls(counts)
 
+    def __call__(self, model_id: str) -> None:
+        import torch
 
-def img2img_class(pipe: Any) -> Any:
-    """StableDiffusionImg2ImgPipeline for Stable Diffusion; diffusers' AutoPipeline mapping for
-    the rest (it imports every pipeline family, about a second, so only when needed)."""
-    import diffusers
-
-    if isinstance(pipe, diffusers.StableDiffusionPipeline):
-        return diffusers.StableDiffusionImg2ImgPipeline
-    return diffusers.AutoPipelineForImage2Image
-
-
-def torch_dtype_for(device: str) -> Any:
-    """float16 on CUDA (how Stable Diffusion is served), float32 on CPU (no fast half kernels)."""
-    import torch
-
-    return torch.float16 if device.startswith("cuda") else torch.float32
+        with self._lock:
+            left = self.counts.get(model_id, 0)
+            if left <= 0:
+                return
+            self.counts[model_id] = left - 1
+        raise torch.OutOfMemoryError(f"CUDA out of memory (injected by a test, {left - 1} more to come)")
 
 
 class DiffusersPipeline:
-    """A loaded Stable-Diffusion-style pipeline (txt2img, plus img2img sharing its modules)."""
+    """A loaded Stable-Diffusion-style pipeline (txt2img, plus img2img sharing its modules) on a rung.
+
+    `fault` is a test seam (see InjectedOutOfMemory); `footprint` what the memory ladder measured.
+    """
 
     def __init__(self, model: InstalledModel, pipe: Any, img2img: Any | None, device: str, rung: str,
-                 frames: Any | None = None):
+                 frames: Any | None = None, *, fault: Fault | None = None, footprint: Footprint | None = None,
+                 offload_dir: str | None = None):
         self.model = model
         self.pipe = pipe
         self.img2img = img2img
         self.frames = frames  # img2img for realtime frames, with its own scheduler (see generate_frames)
         self.device = device
         self.rung = rung
+        self.fault = fault
+        self.footprint = footprint
+        self.offload_dir = offload_dir  # group offload's safetensors files, when on disk
+        self._default_size: int | None = None
+        if pipe is not None:
+            self._default_size = default_size(pipe)
 
     @classmethod
-    def load(cls, model: InstalledModel, device: str) -> DiffusersPipeline:
-        """`<manifest.pipeline>.from_pretrained(source)` on `device`; img2img through `from_pipe`."""
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # weights are installed, never downloaded
-        import diffusers
+    def load(cls, model: InstalledModel, device: str, rung: str = RUNG_FULL, *, offload_dir: str | None = None,
+             fault: Fault | None = None, footprint: Footprint | None = None) -> DiffusersPipeline:
+        """Read the model from its source and place it on `rung` on `device`."""
+        return cls.placed(model, read_modules(model, device), device, rung, offload_dir=offload_dir, fault=fault,
+                          footprint=footprint)
 
-        pipeline_class = getattr(diffusers, model.pipeline, None)
-        if pipeline_class is None or not hasattr(pipeline_class, "from_pretrained"):
-            raise PipelineLoadError(f"model {model.model_id}: diffusers has no pipeline {model.pipeline!r}")
+    @classmethod
+    def placed(cls, model: InstalledModel, modules: Modules, device: str, rung: str, *,
+               offload_dir: str | None = None, fault: Fault | None = None,
+               footprint: Footprint | None = None) -> DiffusersPipeline:
+        """Place modules already read (read_modules) on `rung`."""
+        place(modules.pipes, device, rung, offload_dir=offload_dir)
+        return cls(model, modules.pipe, modules.img2img, device, rung, modules.frames, fault=fault,
+                   footprint=footprint, offload_dir=offload_dir)
+
+    def release(self) -> None:
+        """Drop this model's modules and give their device memory back (the other models stay)."""
+        import shutil
+
+        self.pipe = self.img2img = self.frames = None
+        from workers.gpu.vram import give_back_device_memory
+
+        give_back_device_memory(self.device)
+        if self.offload_dir is not None:
+            shutil.rmtree(self.offload_dir, ignore_errors=True)
+            self.offload_dir = None
+
+    def move_to(self, rung: str) -> None:
+        """Free the modules, read the model again from its source and place it on `rung` (after an
+        out-of-memory error: a clean reload leaves no hooks or half-moved modules behind)."""
+        from workers.gpu.ladder import group_offload_to_disk
+        from workers.gpu.vram import available_ram_bytes
+
+        self.release()
+        to_disk = (rung == RUNG_GROUP_OFFLOAD and self.footprint is not None
+                   and group_offload_to_disk(self.footprint.weights_bytes, available_ram_bytes()))
+        offload_dir = offload_dir_for(self.model.model_id, to_disk)
+        modules = read_modules(self.model, self.device)
+        place(modules.pipes, self.device, rung, offload_dir=offload_dir)
+        self.pipe, self.img2img, self.frames = modules.pipe, modules.img2img, modules.frames
+        self.rung, self.offload_dir = rung, offload_dir
+
+    def _call(self, pipe: Any, **kwargs: Any) -> Any:
+        """The one place a job calls its diffusers pipeline. torch's out-of-memory error leaves as
+        OutOfMemory once the failed call's memory is given back; a test's fault is raised here."""
+        import torch
+
+        if pipe is None:
+            raise PipelineLoadError(f"model {self.model.model_id} is not loaded (its reload failed)")
         try:
-            pipe = pipeline_class.from_pretrained(model.source, dtype=torch_dtype_for(device))
-        except (OSError, ValueError) as exc:
-            raise PipelineLoadError(f"model {model.model_id}: cannot load {model.source}: {exc}") from exc
-        pipe.set_progress_bar_config(disable=True)
-        rung = place(pipe, device)
-        img2img = frames = None
-        if "img2img" in model.capabilities:
-            # from_pipe shares the loaded modules: no second copy of the weights. It casts them to
-            # its `dtype` (float32 unless told), so it is told the loaded one. The cast warns that
-            # "[]" modules should stay float32 (a diffusers quirk): nothing to say.
-            dtype = torch_dtype_for(device)
-            with _quiet("diffusers.models.modeling_utils"):
-                img2img = img2img_class(pipe).from_pipe(pipe, dtype=dtype)
-                # Frames get their own pipeline object and scheduler: a frame batch may run inside
-                # a job's step callback, and must not touch that job's timesteps or step index.
-                frames = img2img_class(pipe).from_pipe(pipe, dtype=dtype, scheduler=copy.deepcopy(pipe.scheduler))
-            img2img.set_progress_bar_config(disable=True)
-            frames.set_progress_bar_config(disable=True)
-        return cls(model, pipe, img2img, device, rung, frames)
+            if self.fault is not None:
+                self.fault(self.model.model_id)
+            return pipe(**kwargs)
+        except torch.OutOfMemoryError as exc:
+            detail = _short(" ".join(str(exc).split()))
+        # Out of the except block: the failed call's frames, and the tensors they held, are gone.
+        from workers.gpu.vram import give_back_device_memory
+
+        give_back_device_memory(self.device)
+        raise OutOfMemory(detail)
 
     @property
     def default_size(self) -> int:
-        """The pipeline's own default width and height: UNet sample size times the VAE's scale."""
-        return int(self.pipe.unet.config.sample_size * self.pipe.vae_scale_factor)
+        """The pipeline's own default width and height: UNet sample size times the VAE's scale.
+
+        Kept from the first load: params are checked on the event loop, also while the denoising
+        thread reloads the model on another rung (when its modules are briefly gone)."""
+        if self._default_size is None:
+            self._default_size = default_size(self.pipe)
+        return self._default_size
 
     def check_inputs(self, params: Any) -> GenerationRequest:
         """Validate a job's params against the manifest schema and what the pipeline can run."""
@@ -252,7 +312,7 @@ class DiffusersPipeline:
         strength = _number(params, "strength", DEFAULT_STRENGTH, 0.0, 1.0)
         init_image = None
         if params.get("init_image") is not None:
-            if self.img2img is None:
+            if "img2img" not in self.model.capabilities:
                 raise InvalidParams(f"model {self.model.model_id} does not do img2img (init_image given)")
             if int(steps * strength) < 1:
                 raise InvalidParams(f"img2img runs int(steps x strength) steps: {steps} x {strength} is none")
@@ -308,10 +368,9 @@ class DiffusersPipeline:
                   "generator": generator, "callback_on_step_end": step_end}
         # 4. Denoise: txt2img without an init image, img2img with one.
         if request.init_image is None:
-            output = self.pipe(height=request.height, width=request.width, **common)
+            output = self._call(self.pipe, height=request.height, width=request.width, **common)
         else:
-            assert self.img2img is not None  # check_inputs refuses init_image without img2img
-            output = self.img2img(image=request.init_image, strength=request.strength, **common)
+            output = self._call(self.img2img, image=request.init_image, strength=request.strength, **common)
         # 5. An interrupted job has no result.
         if interrupted:
             raise JobCancelled()
@@ -344,12 +403,3 @@ class DiffusersPipeline:
                              num_inference_steps=request.steps, guidance_scale=request.guidance_scale,
                              generator=generators)
         return [image if image.size == size else image.resize(size, resample=3) for image in output.images]
-
-
-def load_pipelines(models: list[InstalledModel], device: str) -> dict[str, DiffusersPipeline]:
-    """Every model's pipeline, by model_id, in the order given."""
-    loaded = {}
-    for model in models:
-        log.info("loading %s (%s) from %s on %s", model.model_id, model.pipeline, model.source, device)
-        loaded[model.model_id] = DiffusersPipeline.load(model, device)
-    return loaded

@@ -67,6 +67,9 @@ class SessionTable:
     def remove(self, session_id: str) -> LiveSession | None:
         return self._live.pop(session_id, None)
 
+    def of_model(self, model_id: str) -> list[LiveSession]:
+        return [session for session in self._live.values() if session.model_id == model_id]
+
     def clear(self) -> list[LiveSession]:
         live, self._live = list(self._live.values()), {}
         return live
@@ -179,10 +182,23 @@ class SessionDesk:
         """Free the session's slot and drop its pending frame; results still in flight are dropped
         by the client (`holds` turns false)."""
         session = self.table.remove(session_id)
-        self._runner.queue.drop_session(session_id)
+        self._runner.drop_session(session_id)
         if session is not None:
             log.info("session %s (%s) ended; %d of %d slot(s) in use", session_id, session.model_id,
                      self.table.in_use(session.model_id), self.table.slots[session.model_id])
+
+    def demote(self, model_id: str, rung: str) -> None:
+        """The model moved to `rung`: below full it serves no sessions here, and its live ones end
+        (after rung_changed the API sends them back to its queue, and session_end for each)."""
+        if rung == RUNG_FULL:
+            return
+        self.capacities.pop(model_id, None)
+        self.table.slots[model_id] = 0
+        ended = self.table.of_model(model_id)
+        for session in ended:
+            self.end(session.session_id)
+        log.info("model %s moved to rung %s: no realtime here any more; %d live session(s) ended", model_id, rung,
+                 len(ended))
 
     def frame(self, session_id: str, message: dict[str, Any]) -> None:
         """Queue a frame of a live session (a frame of any other session is ignored)."""

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from tests.workers.gpu.fake_api import FakeApi
 from tests.workers.gpu.support import TEST_SECONDS, run_async
+from tests.workers.gpu.test_frames import png_b64
 
 PROJECT_DIR = Path(__file__).resolve().parents[3]
 
@@ -75,6 +76,40 @@ def test_it_serves_jobs_as_a_command_and_stops_on_sigterm(models_dir: Path) -> N
     run_async(body())
 
 
+def test_it_runs_every_frame_alone_with_max_batch_1(models_dir: Path) -> None:
+    async def body() -> None:
+        async with FakeApi() as fake:
+            process = await manage(*worker_args(fake, models_dir, "secret"), "--frame-budget-ms", "60000",
+                                   "--max-batch", "1")
+            try:
+                await fake.next_message("hello", timeout=TEST_SECONDS)
+                for session_id in ("s-1", "s-2"):
+                    assert (await fake.session_start(session_id))["type"] == "session_accepted"
+                for session_id in ("s-1", "s-2"):  # back to back: batched together were batching on
+                    await fake.frame(session_id, 1, png_b64((200, 30, 30)))
+                results = [await fake.next_message("frame_result", session_id=s) for s in ("s-1", "s-2")]
+            finally:
+                process.send_signal(signal.SIGTERM)
+                _, stderr = await asyncio.wait_for(process.communicate(), TEST_SECONDS)
+
+            assert process.returncode == 0, stderr.decode()[-2000:]
+            assert [result["batch_size"] for result in results] == [1, 1]
+            assert "at most 1 per pipeline call (batching off)" in stderr.decode()
+
+    run_async(body())
+
+
+def test_it_refuses_a_max_batch_below_1(models_dir: Path) -> None:
+    async def body() -> None:
+        process = await manage("runworker_gpu", "--api", "ws://127.0.0.1:9", "--token", "t", "--device", "cpu",
+                               "--models-dir", str(models_dir), "--max-batch", "0")
+        _, stderr = await asyncio.wait_for(process.communicate(), TEST_SECONDS)
+
+        assert process.returncode != 0 and "--max-batch: expected at least 1, got 0" in stderr.decode()
+
+    run_async(body())
+
+
 def test_it_exits_with_an_error_when_the_token_is_refused(models_dir: Path) -> None:
     async def body() -> None:
         async with FakeApi(refuse_token=True) as fake:
@@ -100,10 +135,25 @@ def test_it_exits_with_an_error_for_a_model_that_is_not_installed(models_dir: Pa
     run_async(body())
 
 
+def test_it_exits_with_the_reason_when_no_model_fits_its_vram_budget(models_dir: Path) -> None:
+    async def body() -> None:
+        process = await manage("runworker_gpu", "--api", "ws://127.0.0.1:9", "--token", "t", "--device", "cpu",
+                               "--models-dir", str(models_dir), "--vram-mib", "16", "--threads", "1")
+        _, stderr = await asyncio.wait_for(process.communicate(), TEST_SECONDS)
+
+        text = stderr.decode()
+        assert process.returncode != 0
+        assert "model tiny-sd is not served: it fits on no rung: 16 MiB free; full needs" in text
+        assert "no model fits this worker's memory (tiny-sd: fits on no rung" in text
+
+    run_async(body())
+
+
 def test_it_leaves_torch_and_diffusers_unimported_until_the_worker_starts() -> None:
     code = ("import sys\n"
             "import workers.management.commands.runworker_gpu, workers.management.commands.make_tiny_model\n"
             "import workers.gpu.client, workers.gpu.main, workers.gpu.models, workers.gpu.tiny\n"
+            "import workers.gpu.ladder, workers.gpu.vram, workers.gpu.loading, workers.gpu.footprints\n"
             "heavy = sorted(m for m in ('torch', 'diffusers', 'transformers') if m in sys.modules)\n"
             "assert not heavy, heavy\n")
 

@@ -10,16 +10,21 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tests.workers.gpu.support import TEST_SECONDS
 from workers.gpu.frames import (
     Frame,
     FrameQueue,
     FrameRunner,
     RealtimeCapacity,
     SessionParams,
+    active_sessions,
+    batch_limits,
     batch_sizes,
     call_strength,
     denoise_steps,
     frame_budget_ms_from_env,
+    gather_wait,
+    gather_window,
     group_frames,
     measure_batches,
     measure_capacity,
@@ -204,6 +209,149 @@ def test_it_runs_a_batch_with_each_frames_own_prompt_and_seed_and_skips_undecoda
     assert request.strength == call_strength(2, 1) and request.steps == 2
     assert [(m["session_id"], m["seq"], m["batch_size"]) for m in posted] == [("a", 5, 2), ("b", 9, 2)]
     assert base64.b64decode(posted[0]["image"])[:2] == b"\xff\xd8"  # JPEG
+
+
+@pytest.mark.parametrize(("slots", "max_batch", "expected"), [
+    ({"m": 8, "n": 2}, None, {"m": 8, "n": 2}),  # no --max-batch: as many frames a call as slots
+    ({"m": 8, "n": 2}, 4, {"m": 4, "n": 2}),
+    ({"m": 8, "n": 2}, 1, {"m": 1, "n": 1}),  # --max-batch 1: batching off
+    ({"m": 0}, None, {"m": 1}),  # at least one frame a call
+    ({}, 4, {}),
+])
+def test_it_caps_frames_per_call_at_the_max_batch(slots: dict[str, int], max_batch: int | None,
+                                                  expected: dict[str, int]) -> None:
+    assert batch_limits(slots, max_batch) == expected
+
+
+@pytest.mark.parametrize(("last_call", "max_batch", "expected"), [
+    (0.100, {"m": 4}, 0.025),  # a quarter of the last call
+    (1.000, {"m": 4}, 0.05),  # capped
+    (0.100, {"m": 1}, 0.0),  # batching off: nothing to gather
+    (0.100, {"m": 1, "n": 2}, 0.025),
+    (0.0, {"m": 4}, 0.0),  # nothing ran yet
+    (0.100, {}, 0.0),
+])
+def test_it_sizes_the_gather_window_from_the_last_call(last_call: float, max_batch: dict[str, int],
+                                                      expected: float) -> None:
+    assert gather_window(last_call, max_batch) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(("last_ran", "now", "horizon", "expected"), [
+    ({"a": 10.0, "b": 9.5, "c": 8.0}, 10.2, 1.0, {"a", "b"}),  # c stopped drawing
+    ({"a": 10.0}, 11.0, 1.0, {"a"}),  # within the horizon means at most it
+    ({}, 10.0, 1.0, set()),
+])
+def test_it_waits_only_for_sessions_that_drew_lately(last_ran: dict[str, float], now: float, horizon: float,
+                                                     expected: set[str]) -> None:
+    assert active_sessions(last_ran, now=now, horizon=horizon) == expected
+
+
+@pytest.mark.parametrize(("now", "pending", "active", "first_received", "last_end", "window", "expected"), [
+    (10.00, {"a", "b"}, {"a", "b"}, 9.99, 9.98, 0.05, 0.0),  # everyone is in: run now
+    (10.00, {"a", "b", "c"}, {"a", "b"}, 9.99, 9.98, 0.05, 0.0),  # a newcomer never holds a batch up
+    (10.00, {"a"}, set(), 9.99, 9.98, 0.05, 0.0),  # a lone new session: run now
+    (10.00, {"a"}, {"a", "b"}, 9.99, 9.98, 0.05, 0.04),  # b's round trip: wait from the later start
+    (10.00, {"a"}, {"a", "b"}, 9.00, 9.98, 0.05, 0.03),  # a waited through the last batch: from its end
+    (10.00, {"a"}, {"a", "b"}, 9.99, 9.90, 0.05, 0.04),
+    (10.00, {"a"}, {"a", "b"}, 9.90, 9.80, 0.05, -0.05),  # the window is over: run now
+    (10.00, {"a"}, {"a", "b"}, 9.99, 9.98, 0.0, 0.0),  # no window (batching off)
+    (10.00, set(), {"a"}, 9.99, 9.98, 0.05, 0.0),  # nothing pending
+])
+def test_it_gathers_frames_for_at_most_the_window(now: float, pending: set[str], active: set[str],
+                                                  first_received: float, last_end: float, window: float,
+                                                  expected: float) -> None:
+    waited = gather_wait(now=now, pending=pending, active=active, first_received=first_received,
+                         last_end=last_end, window=window)
+
+    assert waited == pytest.approx(expected) if expected > 0 else waited <= 0
+
+
+class SteppingClock:
+    """A clock that moves `step` seconds at each reading (0: frozen)."""
+
+    def __init__(self, now: float = 100.0, step: float = 0.0) -> None:
+        self.now, self.step = now, step
+
+    def __call__(self) -> float:
+        self.now += self.step
+        return self.now
+
+
+def runner_after_a_batch_of(sessions: list[str], clock: SteppingClock, **runner: Any) -> tuple[FrameRunner, Any]:
+    """A runner that just ran one batch of these sessions, each call reading 0.1 s off the clock."""
+    pipeline = RecordingPipeline()
+    frames_runner = FrameRunner({"m": pipeline}, {"m": 8}, lambda message: None, clock=clock, **runner)
+    for session in sessions:
+        frames_runner.queue.put(frame(session, 1, image=png_b64((0, 0, 0))))
+    clock.step = 0.05  # started, then ended: a 0.1 s call whatever else reads the clock
+    assert frames_runner.run_pending() == 1
+    clock.step = 0.0
+    return frames_runner, pipeline
+
+
+def test_it_runs_at_once_when_every_session_of_the_last_batch_sent_again() -> None:
+    runner, pipeline = runner_after_a_batch_of(["a", "b", "c", "d"], SteppingClock())
+    for session in "dcba":
+        runner.queue.put(frame(session, 2, image=png_b64((0, 0, 0))))
+
+    assert runner.run_pending() == 1
+    runner.close()
+    assert [len(request.prompts) for request in pipeline.requests] == [4, 4]
+
+
+def test_it_waits_for_a_session_of_the_last_batch_until_its_frame_comes() -> None:
+    clock = SteppingClock()
+    runner, pipeline = runner_after_a_batch_of(["a", "b"], clock)
+    runner.queue.put(frame("a", 2, image=png_b64((0, 0, 0))))
+    ran: list[int] = []
+    thread = threading.Thread(target=lambda: ran.append(runner.run_pending()))
+    thread.start()  # the clock stands still: the window never ends, so it waits for b
+    runner.queue.put(frame("b", 2, image=png_b64((0, 0, 0))))
+    thread.join(TEST_SECONDS)
+
+    assert not thread.is_alive() and ran == [1]
+    runner.close()
+    assert [request.prompts for request in pipeline.requests] == [["a 1", "b 1"], ["a 2", "b 2"]]
+
+
+@pytest.mark.parametrize(("after", "gather", "end"), [
+    (0.03, True, None),  # the window (a quarter of the last 0.1 s call) is over
+    (0.0, False, None),  # between a job's steps: no gathering
+    (0.0, True, "b"),  # b ended
+])
+def test_it_runs_what_it_has_when_it_need_not_wait(after: float, gather: bool, end: str | None) -> None:
+    clock = SteppingClock()
+    runner, pipeline = runner_after_a_batch_of(["a", "b"], clock)
+    clock.now += after
+    if end is not None:
+        runner.drop_session(end)
+    runner.queue.put(frame("a", 2, image=png_b64((0, 0, 0))))
+
+    assert runner.run_pending(gather=gather) == 1
+    runner.close()
+    assert [request.prompts for request in pipeline.requests] == [["a 1", "b 1"], ["a 2"]]
+
+
+def test_it_never_waits_with_batching_off() -> None:
+    runner, pipeline = runner_after_a_batch_of(["a", "b"], SteppingClock())  # the clock stands still
+    runner.cap_batches(1)
+    runner.queue.put(frame("a", 2, image=png_b64((0, 0, 0))))
+
+    assert runner.max_batch == {"m": 1} and runner.run_pending() == 1  # b is not waited for
+    runner.close()
+    assert [len(request.prompts) for request in pipeline.requests] == [2, 1]
+
+
+def test_it_stops_gathering_when_the_queue_is_cleared() -> None:
+    runner, _ = runner_after_a_batch_of(["a", "b"], SteppingClock())
+    runner.queue.put(frame("a", 2, image=png_b64((0, 0, 0))))
+    ran: list[int] = []
+    thread = threading.Thread(target=lambda: ran.append(runner.run_pending()))
+    thread.start()
+    runner.close()  # the worker stops
+    thread.join(TEST_SECONDS)
+
+    assert not thread.is_alive() and ran == [0]
 
 
 def test_it_refuses_a_session_when_its_model_has_no_free_slot() -> None:

@@ -14,7 +14,7 @@ from typing import Any
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
-MEMORY_MODES = ("auto", "full", "model_offload", "group_offload")
+MEMORY_MODES = ("auto", "full", "model_offload", "group_offload")  # workers.gpu.ladder.MEMORY_MODES
 
 
 def _positive_int(text: str) -> int:
@@ -53,11 +53,13 @@ class Command(BaseCommand):
         parser.add_argument("--models", default=None, help="serve only these model ids, comma-separated")
         parser.add_argument("--memory-mode", choices=MEMORY_MODES,
                             default=os.environ.get("MEMORY_MODE") or "auto",
-                            help="pin a memory rung (default: $MEMORY_MODE or auto); only full exists yet")
+                            help="auto: each model on the highest rung that fits, moved down after an "
+                                 "out-of-memory error; or pin one rung (default: $MEMORY_MODE or auto)")
         parser.add_argument("--device", default=None,
                             help="cuda, cuda:N or cpu (default: cuda when available, else cpu)")
         parser.add_argument("--vram-mib", type=_positive_int, default=None,
-                            help="a pretend VRAM budget in MiB, for the memory ladder without CUDA")
+                            help="a VRAM budget in MiB for the memory ladder: pretend VRAM on a machine "
+                                 "without CUDA, a cap on CUDA")
         parser.add_argument("--worker-id", default=None, help="default: HOSTNAME:DEVICE_INDEX")
         parser.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
         parser.add_argument("--frame-budget-ms", type=_positive_ms, default=None,
@@ -65,6 +67,9 @@ class Command(BaseCommand):
                                  "(default: $FRAME_BUDGET_MS or 500)")
         parser.add_argument("--no-realtime", action="store_true",
                             help="skip the frame measurement at load and serve no live sessions")
+        parser.add_argument("--max-batch", type=_positive_int, default=None,
+                            help="at most N realtime frames per pipeline call (default: the model's slots); "
+                                 "1 turns batching off")
 
     def handle(self, *args: Any, **options: Any) -> None:
         # Imported here: the worker program is not part of the API process.
@@ -85,7 +90,8 @@ class Command(BaseCommand):
             api=options["api"], token=options["token"], models_dir=Path(options["models_dir"]),
             models=parse_model_ids(options["models"]), memory_mode=options["memory_mode"],
             device=options["device"], vram_mib=options["vram_mib"], worker_id=options["worker_id"],
-            threads=options["threads"], frame_budget_ms=budget_ms, realtime=not options["no_realtime"])
+            threads=options["threads"], frame_budget_ms=budget_ms, realtime=not options["no_realtime"],
+            max_batch=options["max_batch"])
         try:
             run_worker(worker_options)
         except (WorkerStartError, TokenRefused) as exc:

@@ -1,0 +1,115 @@
+"""A loaded model's footprint for the memory ladder, measured from its modules (not from a table).
+
+Weights are the bytes of every parameter and buffer at the dtype the model was loaded in. Block
+groups follow diffusers' block-level group offloading exactly: in a module, each child that is a
+ModuleList or Sequential gives one group per block (num_blocks_per_group=1, what streams need),
+a child named in the module's `_group_offload_block_modules` is split the same way one level
+down, and everything else (other children, the module's own parameters) makes its unmatched
+group. Working memory is that of the largest image the manifest's params_schema allows.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from workers.gpu.ladder import ComponentFootprint, Footprint, working_bytes
+
+DEFAULT_IMAGE_SIZE = 512
+
+
+def tensor_bytes(tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def module_bytes(module: Any) -> int:
+    """A module's parameters and buffers (shared tensors counted once)."""
+    seen: dict[int, Any] = {}
+    for tensor in [*module.parameters(), *module.buffers()]:
+        seen.setdefault(id(tensor), tensor)
+    return tensor_bytes(seen.values())
+
+
+def block_groups(module: Any) -> tuple[int, list[int]]:
+    """(bytes of the unmatched groups, [bytes of each block group]) of block-level group offload."""
+    import torch
+
+    explicit = set(getattr(module, "_group_offload_block_modules", None) or ())
+    top_level, groups = 0, []
+    for name, child in module.named_children():
+        if name in explicit:
+            child_top, child_groups = block_groups(child)
+            top_level += child_top
+            groups.extend(child_groups)
+        elif isinstance(child, (torch.nn.ModuleList, torch.nn.Sequential)):
+            groups.extend(module_bytes(block) for block in child)
+        else:
+            top_level += module_bytes(child)
+    top_level += tensor_bytes([*module.parameters(recurse=False), *module.buffers(recurse=False)])
+    return top_level, groups
+
+
+def component_footprint(name: str, module: Any) -> ComponentFootprint:
+    top_level, groups = block_groups(module)
+    return ComponentFootprint(name=name, weights_bytes=module_bytes(module), top_level_bytes=top_level,
+                              largest_group_bytes=max(groups, default=0))
+
+
+def largest_size(schema: Mapping[str, Any], key: str, default: int) -> int:
+    """The largest width (or height) a params_schema allows: the enum's largest, else `maximum`,
+    else the pipeline's default."""
+    spec = schema.get("properties", {}).get(key, {}) if isinstance(schema, Mapping) else {}
+    if isinstance(spec.get("enum"), list):
+        allowed = [v for v in spec["enum"] if isinstance(v, int) and not isinstance(v, bool) and v > 0]
+        if allowed:
+            return max(allowed)
+    high = spec.get("maximum")
+    if isinstance(high, int) and not isinstance(high, bool) and high > 0:
+        return high
+    return default
+
+
+def _channels(module: Any) -> list[int]:
+    config = getattr(module, "config", None)
+    channels = getattr(config, "block_out_channels", None) if config is not None else None
+    return [int(c) for c in channels] if channels else []
+
+
+def default_size(pipe: Any) -> int:
+    """The pipeline's own default width and height: UNet sample size times the VAE's scale (512
+    for a pipeline without a UNet)."""
+    unet = getattr(pipe, "unet", None)
+    if unet is None:
+        return DEFAULT_IMAGE_SIZE
+    return int(unet.config.sample_size * pipe.vae_scale_factor)
+
+
+def pipeline_footprint(model_id: str, pipe: Any, schema: Mapping[str, Any]) -> Footprint:
+    """The footprint of a loaded diffusers pipeline (modules still on the CPU, at their run dtype)."""
+    import torch
+
+    modules = {name: c for name, c in pipe.components.items() if isinstance(c, torch.nn.Module)}
+    components = tuple(component_footprint(name, module) for name, module in modules.items())
+    dtype_bytes = max((p.element_size() for m in modules.values() for p in m.parameters()), default=4)
+    size = default_size(pipe)
+    width, height = largest_size(schema, "width", size), largest_size(schema, "height", size)
+    working = working_bytes(width=width, height=height, vae_scale_factor=int(getattr(pipe, "vae_scale_factor", 8)),
+                            unet_channels=_channels(modules.get("unet")), vae_channels=_channels(modules.get("vae")),
+                            dtype_bytes=dtype_bytes)
+    return Footprint(model_id=model_id, components=components, working_bytes=working)
+
+
+def safetensors_bytes(folder: str | Path) -> int:
+    """The bytes of every tensor in a saved pipeline's safetensors files, read from their headers
+    only (a check on pipeline_footprint at the stored dtype, before anything is loaded)."""
+    import json
+    import struct
+
+    total = 0
+    for path in sorted(Path(folder).glob("*/*.safetensors")):
+        with open(path, "rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            header = json.loads(handle.read(length))
+        total += sum(end - start for key, entry in header.items() if key != "__metadata__"
+                     for start, end in [entry["data_offsets"]])
+    return total

@@ -1,0 +1,235 @@
+"""The memory ladder (pure): which rung each model runs on, and where an out-of-memory error moves it.
+
+Rungs, highest first:
+- `full`: the whole pipeline lives on the device. Needs every component's weights plus working
+  memory; the only rung that serves realtime sessions.
+- `model_offload` (diffusers' `enable_model_cpu_offload`): one component at a time on the
+  device. Needs the largest component plus working memory; nothing stays resident between calls.
+- `group_offload` (`enable_group_offload`, block-level groups): one block group at a time, the
+  next one prefetched on a CUDA stream. Needs the component's top-level group plus two block
+  groups plus working memory. The offloaded groups wait in system RAM, or on disk
+  (`offload_to_disk_path`) when RAM is too short to hold them.
+
+Models are placed one by one in the order the worker loads them, each on the highest rung that
+fits what is free now (MEMORY_MODE `auto`), or only on its pinned rung. Weights that stay on the
+device (full residency) are taken from what the next model can have; the transient part of a
+rung (working memory, an offloaded component or group while it runs) is shared, since the one
+denoising thread runs one model at a time: the device must hold every resident model plus the
+largest transient need of any of them.
+
+Everything here is plain data and arithmetic: no torch, no Django, no clock.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+RUNG_FULL = "full"
+RUNG_MODEL_OFFLOAD = "model_offload"
+RUNG_GROUP_OFFLOAD = "group_offload"
+RUNGS = (RUNG_FULL, RUNG_MODEL_OFFLOAD, RUNG_GROUP_OFFLOAD)  # highest first
+MODE_AUTO = "auto"
+MEMORY_MODES = (MODE_AUTO, *RUNGS)
+
+MIB = 2**20
+GROUP_RESIDENT_BLOCKS = 2  # under group offload: the block group running and the one prefetched
+CFG_BATCH = 2  # classifier-free guidance runs the UNet on a batch of two (with and without prompt)
+UNET_LIVE_TENSORS = 8  # activations alive at once per UNet level (skips, resnet temporaries)
+VAE_LIVE_TENSORS = 6  # full-resolution activations alive at once in a VAE block
+WORKING_FLOOR_BYTES = 64 * MIB  # scheduler state, latents, embeddings, allocator slack
+RAM_RESERVE_BYTES = 1024 * MIB  # system RAM left to everything else when groups are kept in RAM
+
+
+def mib(value: int | None) -> str:
+    """Bytes as a short MiB figure for logs ("123 MiB", or "unknown")."""
+    return "unknown" if value is None else f"{value / MIB:,.0f} MiB"
+
+
+@dataclass(frozen=True)
+class ComponentFootprint:
+    """One component's weights at the dtype it runs in, and its block-level groups.
+
+    top_level_bytes: what block-level group offload keeps in the component's own (unmatched)
+    groups, on the device for as long as the component runs; largest_group_bytes: its largest
+    block group (0 when it has none, e.g. a text encoder made of one unmatched group).
+    """
+
+    name: str
+    weights_bytes: int
+    top_level_bytes: int = 0
+    largest_group_bytes: int = 0
+
+    @property
+    def group_peak_bytes(self) -> int:
+        """On the device while this component runs under group offload."""
+        return min(self.weights_bytes, self.top_level_bytes + GROUP_RESIDENT_BLOCKS * self.largest_group_bytes)
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """What one model needs: its components' weights and the working memory of its largest image."""
+
+    model_id: str
+    components: tuple[ComponentFootprint, ...]
+    working_bytes: int
+
+    @property
+    def weights_bytes(self) -> int:
+        return sum(c.weights_bytes for c in self.components)
+
+    @property
+    def largest_component_bytes(self) -> int:
+        return max((c.weights_bytes for c in self.components), default=0)
+
+    @property
+    def largest_group_bytes(self) -> int:
+        return max((c.largest_group_bytes for c in self.components), default=0)
+
+    @property
+    def group_peak_bytes(self) -> int:
+        return max((c.group_peak_bytes for c in self.components), default=0)
+
+    def resident_bytes(self, rung: str) -> int:
+        """Device memory the model holds between calls on `rung`."""
+        return self.weights_bytes if rung == RUNG_FULL else 0
+
+    def transient_bytes(self, rung: str) -> int:
+        """Device memory the model takes only while it runs on `rung`."""
+        if rung == RUNG_FULL:
+            return self.working_bytes
+        if rung == RUNG_MODEL_OFFLOAD:
+            return self.largest_component_bytes + self.working_bytes
+        if rung == RUNG_GROUP_OFFLOAD:
+            return self.group_peak_bytes + self.working_bytes
+        raise ValueError(f"unknown rung {rung!r}")
+
+    def needs(self, rung: str) -> int:
+        """Device memory the model needs on `rung`, alone on the device."""
+        return self.resident_bytes(rung) + self.transient_bytes(rung)
+
+
+@dataclass(frozen=True)
+class RungChoice:
+    """Where one model goes, and why. rung None: it fits on no rung and is not served."""
+
+    model_id: str
+    rung: str | None
+    mode: str
+    free_bytes: int | None  # what was free when the choice was made (None: no figure)
+    needs: dict[str, int] = field(default_factory=dict)  # the bytes each rung tried would take now
+    offload_to_disk: bool = False  # group offload with its groups on disk: RAM is too short
+
+    @property
+    def served(self) -> bool:
+        return self.rung is not None
+
+    @property
+    def reason(self) -> str:
+        """One log phrase: the rung and the figures it was chosen by."""
+        tried = ", ".join(f"{rung} needs {mib(n)}" for rung, n in self.needs.items())
+        if self.free_bytes is None:
+            why = ("no VRAM figure (no CUDA device and no --vram-mib): runs as on full residency"
+                   if self.mode == MODE_AUTO else f"pinned by MEMORY_MODE={self.mode}, no VRAM figure to check")
+            return f"rung {self.rung}: {why}"
+        where = f"{mib(self.free_bytes)} free; {tried}"
+        if self.rung is None:
+            pinned = f" (pinned by MEMORY_MODE={self.mode})" if self.mode != MODE_AUTO else ""
+            return f"fits on no rung{pinned}: {where}"
+        disk = "; groups offloaded to disk (system RAM too short)" if self.offload_to_disk else ""
+        return f"rung {self.rung}: {where}{disk}"
+
+
+def check_mode(mode: str) -> str:
+    if mode not in MEMORY_MODES:
+        raise ValueError(f"MEMORY_MODE must be one of {', '.join(MEMORY_MODES)}, got {mode!r}")
+    return mode
+
+
+def candidate_rungs(mode: str) -> tuple[str, ...]:
+    """The rungs a model may take: all of them, highest first, under auto; only the pinned one else."""
+    return RUNGS if check_mode(mode) == MODE_AUTO else (mode,)
+
+
+def need_beside(footprint: Footprint, rung: str, transient_pool: int) -> int:
+    """Bytes that must be free now for the model on `rung`, next to models already placed whose
+    largest transient need is `transient_pool` (transients never overlap: one model runs at a time)."""
+    return footprint.resident_bytes(rung) + max(transient_pool, footprint.transient_bytes(rung))
+
+
+def group_offload_to_disk(weights_bytes: int, ram_free_bytes: int | None) -> bool:
+    """Offloaded groups go to disk when system RAM cannot hold them with RAM_RESERVE_BYTES to spare."""
+    return ram_free_bytes is not None and ram_free_bytes < weights_bytes + RAM_RESERVE_BYTES
+
+
+def choose_rung(footprint: Footprint, *, free_bytes: int | None, mode: str = MODE_AUTO, transient_pool: int = 0,
+                ram_free_bytes: int | None = None) -> RungChoice:
+    """The highest rung `mode` allows that fits in `free_bytes` next to the models already placed.
+
+    free_bytes None (no CUDA and no --vram-mib): nothing to check, so full residency under auto
+    and the pinned rung otherwise. ram_free_bytes (None: unknown) decides group offload's disk.
+    """
+    rungs = candidate_rungs(mode)
+    if free_bytes is None:
+        rung = rungs[0]
+        return RungChoice(footprint.model_id, rung, mode, None, {rung: footprint.needs(rung)},
+                          rung == RUNG_GROUP_OFFLOAD and group_offload_to_disk(footprint.weights_bytes, ram_free_bytes))
+    needs: dict[str, int] = {}
+    for rung in rungs:
+        needs[rung] = need_beside(footprint, rung, transient_pool)
+        if needs[rung] <= free_bytes:
+            to_disk = rung == RUNG_GROUP_OFFLOAD and group_offload_to_disk(footprint.weights_bytes, ram_free_bytes)
+            return RungChoice(footprint.model_id, rung, mode, free_bytes, needs, to_disk)
+    return RungChoice(footprint.model_id, None, mode, free_bytes, needs)
+
+
+def host_bytes(footprint: Footprint, rung: str, offload_to_disk: bool) -> int:
+    """System RAM the model holds on `rung` next to a CUDA device: offloaded weights wait there."""
+    if rung == RUNG_FULL or offload_to_disk:
+        return 0
+    return footprint.weights_bytes
+
+
+def plan_rungs(footprints: Iterable[Footprint], *, free_bytes: int | None, mode: str = MODE_AUTO,
+               ram_free_bytes: int | None = None) -> list[RungChoice]:
+    """choose_rung for each model in load order against one budget: a placed model's resident
+    weights and RAM leave the budget, its transient need joins the shared pool."""
+    choices, pool = [], 0
+    for footprint in footprints:
+        choice = choose_rung(footprint, free_bytes=free_bytes, mode=mode, transient_pool=pool,
+                             ram_free_bytes=ram_free_bytes)
+        choices.append(choice)
+        if choice.rung is None:
+            continue
+        pool = max(pool, footprint.transient_bytes(choice.rung))
+        if free_bytes is not None:
+            free_bytes -= footprint.resident_bytes(choice.rung)
+        if ram_free_bytes is not None:
+            ram_free_bytes -= host_bytes(footprint, choice.rung, choice.offload_to_disk)
+    return choices
+
+
+def rung_after_oom(rung: str, mode: str) -> str | None:
+    """Where an out-of-memory error moves a model: one rung down under auto; nowhere when its rung
+    is pinned or it is already on the lowest (the job then fails)."""
+    if check_mode(mode) != MODE_AUTO or rung not in RUNGS:
+        return None
+    lower = RUNGS.index(rung) + 1
+    return RUNGS[lower] if lower < len(RUNGS) else None
+
+
+def working_bytes(*, width: int, height: int, vae_scale_factor: int, unet_channels: Sequence[int],
+                  vae_channels: Sequence[int], dtype_bytes: int) -> int:
+    """Working memory of one image of width x height: the larger of the UNet's and the VAE's peaks,
+    plus WORKING_FLOOR_BYTES.
+
+    UNet: at each level i (resolution halved i times from the latents) CFG_BATCH x channels[i] x
+    latent pixels / 4**i values, UNET_LIVE_TENSORS of them alive at once. VAE: the decoder (and
+    the encoder, mirrored) at level i works at the image's resolution / 2**i with channels[i];
+    its largest level, VAE_LIVE_TENSORS times. Attention scores are left out: PyTorch's SDPA does
+    not keep them whole.
+    """
+    image_pixels = width * height
+    latent_pixels = image_pixels / max(1, vae_scale_factor) ** 2
+    unet = CFG_BATCH * latent_pixels * sum(c / 4**i for i, c in enumerate(unet_channels)) * UNET_LIVE_TENSORS
+    vae = image_pixels * max((c / 4**i for i, c in enumerate(vae_channels)), default=0.0) * VAE_LIVE_TENSORS
+    return int(max(unet, vae) * dtype_bytes) + WORKING_FLOOR_BYTES

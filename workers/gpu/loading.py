@@ -1,0 +1,67 @@
+"""Loading the installed models onto the memory ladder, one by one in load order.
+
+Each model is read onto the CPU, measured (footprints.py), given the highest rung that fits what
+is free now (ladder.choose_rung) and placed there. A model that fits on no rung is dropped, with
+the reason in the log, and left out of the hello.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from workers.gpu.footprints import pipeline_footprint
+from workers.gpu.ladder import MODE_AUTO, RungChoice, choose_rung, host_bytes, mib
+from workers.gpu.models import InstalledModel
+from workers.gpu.pipelines import DiffusersPipeline, Fault, offload_dir_for, read_modules
+from workers.gpu.vram import VramBudget, available_ram_bytes, give_back_device_memory
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Loaded:
+    """The pipelines served, by model_id in load order, and the models that fit nowhere (with why)."""
+
+    pipelines: dict[str, DiffusersPipeline] = field(default_factory=dict)
+    choices: dict[str, RungChoice] = field(default_factory=dict)
+    refused: dict[str, str] = field(default_factory=dict)
+
+
+def load_pipelines(models: list[InstalledModel], device: str, *, mode: str = MODE_AUTO,
+                   budget: VramBudget | None = None, fault: Fault | None = None) -> Loaded:
+    """Every model that fits, placed on its rung; raises PipelineLoadError for one that cannot be read."""
+    budget = budget or VramBudget(device)
+    loaded = Loaded()
+    pool = 0  # the largest transient need of the models placed so far
+    ram_held = 0  # RAM the offloaded models placed so far keep (see ladder.host_bytes)
+    for model in models:
+        started = time.perf_counter()
+        log.info("loading %s (%s) from %s for %s", model.model_id, model.pipeline, model.source, device)
+        modules = read_modules(model, device)
+        footprint = pipeline_footprint(model.model_id, modules.pipe, model.params_schema)
+        ram = available_ram_bytes()
+        # The weights just read sit in RAM already: they are what offloaded groups would keep there.
+        ram_free = None if ram is None else ram + footprint.weights_bytes - ram_held
+        choice = choose_rung(footprint, free_bytes=budget.free_bytes(), mode=mode, transient_pool=pool,
+                             ram_free_bytes=ram_free)
+        loaded.choices[model.model_id] = choice
+        if choice.rung is None:
+            log.error("model %s is not served: it %s (weights %s, largest component %s, largest block group %s, "
+                      "working %s)", model.model_id, choice.reason, mib(footprint.weights_bytes),
+                      mib(footprint.largest_component_bytes), mib(footprint.largest_group_bytes),
+                      mib(footprint.working_bytes))
+            loaded.refused[model.model_id] = choice.reason
+            del modules
+            give_back_device_memory(device)
+            continue
+        offload_dir = offload_dir_for(model.model_id, choice.offload_to_disk)
+        loaded.pipelines[model.model_id] = DiffusersPipeline.placed(
+            model, modules, device, choice.rung, offload_dir=offload_dir, fault=fault, footprint=footprint)
+        budget.hold(footprint.resident_bytes(choice.rung))
+        pool = max(pool, footprint.transient_bytes(choice.rung))
+        ram_held += host_bytes(footprint, choice.rung, choice.offload_to_disk)
+        log.info("model %s on %s: %s (weights %s, working %s); placed in %.1f s%s", model.model_id, device,
+                 choice.reason, mib(footprint.weights_bytes), mib(footprint.working_bytes),
+                 time.perf_counter() - started, f"; groups in {offload_dir}" if offload_dir else "")
+    return loaded
