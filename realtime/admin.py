@@ -8,9 +8,8 @@ from django.contrib import admin, messages
 from django.db.models import QuerySet
 from django.http import HttpRequest
 
-from realtime import admission, services
+from realtime import services
 from realtime.models import RealtimeSession, SessionState, UsageRecord
-from realtime.state import QUEUED
 
 
 class SessionViewFilter(admin.SimpleListFilter):
@@ -47,14 +46,13 @@ class RealtimeSessionAdmin(admin.ModelAdmin):
     def position(self, session: RealtimeSession) -> int | None:
         if session.state != SessionState.QUEUED:
             return None
-        entries, _, _ = services.board().snapshot()
-        return admission.positions(e.queued() for e in entries if e.state == QUEUED).get(str(session.id))
+        return services.queue_positions().get(str(session.id))
 
     @admin.display(description="free slots on its worker")
     def free_slots(self, session: RealtimeSession) -> int | None:
         if not session.worker_id:
             return None
-        return services.board().free().get((session.worker_id, session.model_id))
+        return services.slots_free().get((session.worker_id, session.model_id))
 
     @admin.action(description="End the selected sessions")
     def end_sessions(self, request: HttpRequest, queryset: QuerySet[RealtimeSession]) -> None:

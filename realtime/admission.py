@@ -83,3 +83,16 @@ def is_idle(last_input: float, now: float, idle_seconds: float) -> bool:
 def idle_at(last_input: float, idle_seconds: float) -> float:
     """When a session with no further input goes idle."""
     return last_input + idle_seconds
+
+
+def placement_event_applies(kind: str, *, known: int, placement: int) -> bool:
+    """Several API processes: whether news of a session's `placement` (its count of placements)
+    changes what the browser's process believes, which last heard of placement `known`. News of
+    going `live` counts only for a newer placement than any heard of (a late `live` of a placement
+    already ended is stale); news of going `back` to the queue counts for the known one or a newer
+    one (a late `back` of an earlier placement must not take a newer live one away)."""
+    if kind == "live":
+        return placement > known
+    if kind == "back":
+        return placement >= known
+    raise ValueError(f"unknown placement event {kind!r}")

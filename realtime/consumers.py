@@ -108,10 +108,27 @@ class SessionConsumer(RelayConsumer):
         await self.send_json(event["message"])
 
     async def session_live(self, event: dict[str, Any]) -> None:
-        """Live on a worker: tell the browser, and watch for idleness from now."""
+        """Live on a worker: tell the browser, and watch for idleness from now. (Several API
+        processes: the news may be stale; the newest frame kept while it waited goes on from here.)"""
+        pending = None
+        if "placement" in event:
+            if self.session_id is None:
+                return
+            applies, pending = services.session_live_here(session_id=self.session_id, event=event,
+                                                          now=time.monotonic())
+            if not applies:
+                return
         await self.send_json(event["message"])
+        if pending is not None:
+            await relay.send(event["worker_channel"], {"type": "worker.send", "message": pending})
         if self.idle_watch is None or self.idle_watch.done():
             self.idle_watch = asyncio.create_task(self.watch_idle())
+
+    async def session_back(self, event: dict[str, Any]) -> None:
+        """Several API processes: the slot was lost (its worker died or was demoted); frames wait
+        as pending until the session is live again."""
+        if self.session_id is not None:
+            services.session_back_here(session_id=self.session_id, placement=event["placement"])
 
     async def session_frame(self, event: dict[str, Any]) -> None:
         """A worker's result: shown unless a newer frame was already shown."""

@@ -32,6 +32,14 @@ class RealtimeSession(models.Model):
     last_frame_at = models.DateTimeField(null=True, blank=True)
     live_since = models.DateTimeField(null=True, blank=True)
     closed_at = models.DateTimeField(null=True, blank=True)
+    # Shared admission (several API processes, realtime/shared.py): where the browser socket is,
+    # which process holds it, the workers that refused it, the position it was last told, and a
+    # count of its placements (so that a late event about an earlier one is told from a new one).
+    channel_name = models.CharField(max_length=200, blank=True, default="")
+    api_process = models.BigIntegerField(null=True, blank=True)
+    refused_by = models.JSONField(default=list, blank=True)
+    told_position = models.IntegerField(null=True, blank=True)
+    placements = models.IntegerField(default=0)
 
     class Meta:
         ordering = ["joined_at", "id"]

@@ -7,9 +7,9 @@ from typing import Any
 
 from django.contrib.auth.models import User
 
-from realtime import admission
+from realtime import admission, shared
 from realtime.models import UsageRecord
-from realtime.services import board
+from realtime.services import board, shared_sessions
 from realtime.state import LIVE, PLACING, QUEUED
 
 
@@ -26,6 +26,8 @@ def usage_of(*, account: User, now: datetime) -> dict[str, Any]:
 
 def sessions_snapshot() -> dict[str, Any]:
     """Queued sessions in order with positions; per worker its free slots and live sessions."""
+    if shared_sessions():
+        return shared.snapshot()
     entries, workers, free = board().snapshot()
     queued = [e for e in entries if e.state == QUEUED]
     places = admission.positions(e.queued() for e in queued)

@@ -25,6 +25,9 @@ from realtime.routing import pick_session_model
 from realtime.state import LIVE, PLACING, SessionBoard, SessionEntry, get_board
 from scheduling.services import send_to_channel, send_to_worker
 
+# Several API processes share admission through PostgreSQL (realtime/shared.py); the functions below
+# hand over to it when `shared_sessions()`. Imported last: shared.py uses this module's helpers.
+
 log = logging.getLogger(__name__)
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 # One API process: check and insert under one lock; the row lock on the account guards several.
@@ -42,11 +45,13 @@ def board() -> SessionBoard:
     current = get_board()
     if not current.loaded:
         with current.lock:
+            if not current.loaded and shared_sessions():
+                current.loaded = True  # other processes' sessions are alive: the sweep closes orphans
             if not current.loaded:
                 now = timezone.now()
                 stale = list(RealtimeSession.objects.filter(state__in=OPEN_STATES).values_list("id", flat=True))
                 for session_id in stale:
-                    _close_row(str(session_id), now)
+                    close_row(str(session_id), now)
                 if stale:
                     log.info("closed %d sessions left open by a previous API process", len(stale))
                 current.loaded = True
@@ -68,6 +73,8 @@ def session_request(*, query: dict[str, str]) -> tuple[str, dict[str, int]]:
 def session_join(*, account: User, model_id: str, params: dict[str, int], channel_name: str) -> RealtimeSession:
     """Open a session in the queue, unless the account already holds ACCOUNT_SESSION_LIMIT open
     sessions (queued ones count): SessionLimitReached. The check and the insert are one step."""
+    if shared_sessions():
+        return shared.join(account=account, model_id=model_id, params=params, channel_name=channel_name)
     current = board()
     now = timezone.now()
     with _join_lock, transaction.atomic():
@@ -75,7 +82,8 @@ def session_join(*, account: User, model_id: str, params: dict[str, int], channe
         held = RealtimeSession.objects.filter(account=account, state__in=OPEN_STATES).count()
         if held >= settings.ACCOUNT_SESSION_LIMIT:
             raise SessionLimitReached(f"the account already holds {held} sessions")
-        session = RealtimeSession.objects.create(account=account, model_id=model_id, params=params, joined_at=now)
+        session = RealtimeSession.objects.create(account=account, model_id=model_id, params=params, joined_at=now,
+                                                 channel_name=channel_name)
     current.add(SessionEntry(str(session.id), account.pk, model_id, to_microseconds(now), channel_name, params))
     admit()
     return session
@@ -85,28 +93,33 @@ def session_close(*, session_id: str) -> None:
     """The browser socket closed: the session leaves the queue or frees its slot (its worker gets
     session_end), metering stops, and the slot goes to the next session."""
     entry = board().remove(session_id)
-    _close_row(session_id, timezone.now())
+    if shared_sessions():
+        shared.close(session_id=session_id, channel=entry.worker_channel if entry else None)
+        return
+    close_row(session_id, timezone.now())
     if entry is not None and entry.state in (PLACING, LIVE):
         _end_on_worker(entry.worker_id, session_id)
     admit()
 
 
-def _close_row(session_id: str, now: datetime) -> None:
+def close_row(session_id: str, now: datetime) -> None:
     with transaction.atomic():
         RealtimeSession.objects.filter(id=session_id, state__in=OPEN_STATES).update(
             state=SessionState.CLOSED, closed_at=now, worker_id=None)
-        _usage_close(session_id, now)
+        usage_close(session_id, now)
 
 
 def session_end(*, session_id: str) -> bool:
     """Operators: end a session; its browser socket is closed (which frees everything), or the row
     is closed at once when no socket of this process holds it."""
+    if shared_sessions():
+        return shared.end(session_id=session_id)
     entry = board().get(session_id)
     if entry is not None:
         send_to_channel(entry.channel_name, {"type": "session.end"})
         return True
     closed = RealtimeSession.objects.filter(id=session_id, state__in=OPEN_STATES).exists()
-    _close_row(session_id, timezone.now())
+    close_row(session_id, timezone.now())
     return closed
 
 
@@ -115,6 +128,8 @@ def session_end(*, session_id: str) -> bool:
 def admit() -> list[Placement]:
     """First fit over the queue; each placement is claimed in the database (queued -> placing) and
     its worker gets session_start. Then every queued browser whose position changed is told."""
+    if shared_sessions():
+        return shared.admit()
     current = board()
     sent: list[tuple[str, dict[str, Any]]] = []
 
@@ -142,9 +157,11 @@ def tell_positions() -> None:
         to_browser(channel, {"type": "state", "state": "queued", "position": position})
 
 
-def session_accept(*, worker_id: str, session_id: str, now: float) -> bool:
+def session_accept(*, worker_id: str, session_id: str, now: float, channel_name: str | None = None) -> bool:
     """The worker took the session: live, metering starts, the browser is told, and the newest
     frame kept while it waited goes to the worker. A stale accept gets session_end."""
+    if shared_sessions():
+        return shared.accept(worker_id=worker_id, session_id=session_id, channel_name=channel_name)
     moment = timezone.now()
     with transaction.atomic():
         accepted = RealtimeSession.objects.filter(id=session_id, worker_id=worker_id, state=SessionState.PLACING) \
@@ -169,6 +186,8 @@ def session_refuse(*, worker_id: str, session_id: str, reason: str) -> bool:
     """That placement failed only: another worker with room is tried, or the session waits in the
     queue at its old place."""
     log.info("worker %s refused session %s: %s", worker_id, session_id, reason)
+    if shared_sessions():
+        return shared.refuse(worker_id=worker_id, session_id=session_id)
     returned = RealtimeSession.objects.filter(id=session_id, worker_id=worker_id, state=SessionState.PLACING) \
         .update(state=SessionState.QUEUED, worker_id=None) == 1
     if returned:
@@ -184,20 +203,23 @@ def _send_back(session_ids: list[str], *, end_on: str | None = None) -> None:
         with transaction.atomic():
             RealtimeSession.objects.filter(id=session_id, state__in=HOLDING_STATES).update(
                 state=SessionState.QUEUED, worker_id=None, live_since=None)
-            _usage_close(session_id, now)
+            usage_close(session_id, now)
         board().requeue(session_id)
         if end_on:
             _end_on_worker(end_on, session_id)
     admit()
 
 
-def _end_on_worker(worker_id: str | None, session_id: str) -> None:
+def _end_on_worker(worker_id: str | None, session_id: str, channel: str | None = None) -> None:
+    if shared_sessions():
+        shared.end_on_worker(worker_id, session_id, channel)
+        return
     channel = board().channel_of(worker_id)
     if channel:
         send_to_worker(channel, {"type": "session_end", "session_id": session_id})
 
 
-def _usage_close(session_id: str, now: datetime) -> None:
+def usage_close(session_id: str, now: datetime) -> None:
     for record in UsageRecord.objects.filter(session__id=session_id, ended_at__isnull=True):
         seconds = max(0.0, (now - record.started_at).total_seconds())
         UsageRecord.objects.filter(pk=record.pk, ended_at__isnull=True).update(ended_at=now, seconds=seconds)
@@ -238,26 +260,58 @@ def session_release_idle(*, session_id: str) -> bool:
         released = RealtimeSession.objects.filter(id=session_id, state=SessionState.LIVE).update(
             state=SessionState.IDLE, worker_id=None, live_since=None) == 1
         if released:
-            _usage_close(session_id, now)
+            usage_close(session_id, now)
     entry = board().get(session_id)
     worker_id = entry.worker_id if entry else None
+    worker_channel = entry.worker_channel if entry else None
     if not released or board().go_idle(session_id) is None:
         return False
-    _end_on_worker(worker_id, session_id)
+    _end_on_worker(worker_id, session_id, worker_channel)
     to_browser(entry.channel_name, {"type": "state", "state": "idle"})  # type: ignore[union-attr]
     admit()
     return True
 
 
 def sessions_sweep(*, now: float) -> None:
-    """The periodic sweep: the idle rule for every live session, refusals forgotten, admission."""
+    """The periodic sweep: the idle rule for every live session, refusals forgotten, admission.
+    (Several API processes: the idle rule for this process's sessions, then the shared sweep.)"""
     current = board()
     for session_id in current.idle_candidates(now=now, idle_seconds=settings.SESSION_IDLE_SECONDS):
         session_release_idle(session_id=session_id)
+    if shared_sessions():
+        shared.sweep()
+        return
     with current.lock:
         for entry in current.sessions.values():
             entry.refused_by.clear()
     admit()
+
+
+def sessions_tick(*, now: float) -> None:
+    """Several API processes, every SESSION_SWEEP_SECONDS in each process with browser sockets: the
+    idle rule for its own sessions (it alone sees their input), and the shared sweep in the one
+    process that holds the sweep lock."""
+    current = board()
+    for session_id in current.idle_candidates(now=now, idle_seconds=settings.SESSION_IDLE_SECONDS):
+        session_release_idle(session_id=session_id)
+    if get_presence().try_lead():
+        shared.sweep()
+
+
+def session_live_here(*, session_id: str, event: dict[str, Any], now: float) -> tuple[bool, dict[str, Any] | None]:
+    """Several API processes, in the browser's process: news of going live. (applies?, the newest
+    frame kept while it waited, for the worker)."""
+    current = get_board()
+    entry = current.live_here(session_id, worker_id=event["worker_id"], worker_channel=event["worker_channel"],
+                              placement=event["placement"], now=now)
+    if entry is None:
+        return False, None
+    return True, current.take_pending(session_id)
+
+
+def session_back_here(*, session_id: str, placement: int) -> bool:
+    """Several API processes, in the browser's process: its slot was lost; frames wait again."""
+    return get_board().back_here(session_id, placement=placement)
 
 
 def frame_result_route(*, worker_id: str, session_id: str) -> str | None:
@@ -272,6 +326,9 @@ def frame_result_route(*, worker_id: str, session_id: str) -> str | None:
 
 def worker_slots_set(*, worker_id: str, channel_name: str, models: list[dict[str, Any]]) -> None:
     """A worker's hello: the realtime slots of each model it serves; admission runs."""
+    if shared_sessions():
+        shared.worker_hello(worker_id=worker_id, channel_name=channel_name)
+        return
     budget = settings.FRAME_BUDGET_MS
     slots = {m["model_id"]: admission.model_slots(realtime=m.get("realtime", False), frame_ms_p95=m.get("frame_ms_p95"),
                                                   realtime_slots=m.get("realtime_slots", 0), frame_budget_ms=budget)
@@ -283,16 +340,26 @@ def worker_slots_set(*, worker_id: str, channel_name: str, models: list[dict[str
 
 def worker_sessions_return(*, worker_id: str, channel_name: str) -> None:
     """A dead worker: its sessions go back to the queue at their old places."""
+    if shared_sessions():
+        shared.worker_dead(worker_id=worker_id, channel_name=channel_name)
+        return
     held = board().drop_worker(worker_id=worker_id, channel_name=channel_name)
     if held is not None:
         _send_back(held)
 
 
 def worker_rung_changed(*, worker_id: str, model_id: str, realtime: bool, realtime_slots: int,
-                        frame_ms_p95: float | None) -> None:
+                        frame_ms_p95: float | None, channel_name: str | None = None) -> None:
     """After a demotion: a model without realtime sends its sessions on that worker back to the
     queue, and the worker gets session_end for each."""
     current = board()
+    if shared_sessions():
+        # The worker's row holds the new entry by now (workers.services.worker_rung_set): admission
+        # reads the slots from there; a realtime entry without a frame time offers none.
+        slots = admission.model_slots(realtime=realtime, frame_ms_p95=frame_ms_p95, realtime_slots=realtime_slots,
+                                      frame_budget_ms=settings.FRAME_BUDGET_MS)
+        shared.rung_changed(worker_id=worker_id, model_id=model_id, slots=slots, channel_name=channel_name)
+        return
     worker = current.workers.get(worker_id)
     if worker is None:
         return
@@ -301,6 +368,24 @@ def worker_rung_changed(*, worker_id: str, model_id: str, realtime: bool, realti
                                   frame_budget_ms=settings.FRAME_BUDGET_MS)
     lost = current.set_model_slots(worker_id=worker_id, model_id=model_id, slots=slots)
     _send_back(lost, end_on=worker_id)
+
+
+def shared_sessions() -> bool:
+    """Whether admission is shared by several API processes (realtime/shared.py)."""
+    return shared.enabled()
+
+
+def queue_positions() -> dict[str, int]:
+    """1-based places of the queued sessions (operators)."""
+    if shared_sessions():
+        return shared.positions()
+    entries, _, _ = board().snapshot()
+    return admission.positions(e.queued() for e in entries if e.state == SessionState.QUEUED)
+
+
+def slots_free() -> dict[admission.SlotKey, int]:
+    """Free slots per (worker, model) (operators)."""
+    return shared.free() if shared_sessions() else board().free()
 
 
 def session_account(*, user: Any, token: str | None) -> User | None:
@@ -313,3 +398,7 @@ def session_account(*, user: Any, token: str | None) -> User | None:
 
     found = Token.objects.select_related("user").filter(key=token).first()
     return found.user if found is not None and found.user.is_active else None
+
+
+from realtime import shared  # noqa: E402  (see the note at the imports)
+from realtime.presence import get_presence  # noqa: E402

@@ -32,6 +32,9 @@ class SessionEntry:
     live_since: float | None = None  # monotonic seconds
     pending_frame: dict[str, Any] | None = None  # the newest frame while not live
     told_position: int | None = None
+    # Several API processes: the live worker's channel, and the latest placement heard of.
+    worker_channel: str | None = None
+    placement: int = 0
 
     def queued(self) -> QueuedSession:
         return QueuedSession(self.session_id, self.model_id, self.joined_us, frozenset(self.refused_by))
@@ -91,6 +94,32 @@ class SessionBoard:
             entry.state, entry.live_since, entry.refused_by = LIVE, now, set()
             return entry
 
+    def live_here(self, session_id: str, *, worker_id: str, worker_channel: str, placement: int,
+                  now: float) -> SessionEntry | None:
+        """Several API processes: news that placement `placement` went live on a worker (possibly
+        of another process); None when it is stale (admission.placement_event_applies)."""
+        with self.lock:
+            entry = self.sessions.get(session_id)
+            if entry is None or not admission.placement_event_applies("live", known=entry.placement,
+                                                                       placement=placement):
+                return None
+            entry.state, entry.worker_id, entry.worker_channel = LIVE, worker_id, worker_channel
+            entry.placement, entry.live_since = placement, now
+            return entry
+
+    def back_here(self, session_id: str, *, placement: int) -> bool:
+        """Several API processes: news that placement `placement` ended and the session is back in
+        the queue; frames wait as pending again. False when it is stale."""
+        with self.lock:
+            entry = self.sessions.get(session_id)
+            if entry is None or not admission.placement_event_applies("back", known=entry.placement,
+                                                                       placement=placement):
+                return False
+            entry.placement = placement
+            if entry.state in (PLACING, LIVE):
+                entry.state, entry.worker_id, entry.worker_channel, entry.live_since = QUEUED, None, None, None
+            return True
+
     def take_pending(self, session_id: str) -> dict[str, Any] | None:
         with self.lock:
             entry = self.sessions.get(session_id)
@@ -105,6 +134,7 @@ class SessionBoard:
             if entry is None or entry.state != LIVE:
                 return None
             entry.state, entry.worker_id, entry.live_since = IDLE, None, None
+            entry.worker_channel = None
             return entry
 
     def frame(self, session_id: str, frame: dict[str, Any], *, now: float) -> tuple[str, str | None]:
@@ -116,6 +146,8 @@ class SessionBoard:
                 return "gone", None
             entry.last_input = now
             if entry.state == LIVE:
+                if entry.worker_channel:
+                    return LIVE, entry.worker_channel
                 worker = self.workers.get(entry.worker_id or "")
                 if worker is not None:
                     return LIVE, worker.channel_name
@@ -237,7 +269,10 @@ def get_board() -> SessionBoard:
 
 
 def reset_board() -> None:
-    """Forget this process's board, as a restart does (tests)."""
+    """Forget this process's board, as a restart does (tests); let go of its presence locks."""
     global _instance
+    from realtime.presence import close_presence
+
+    close_presence()
     with _instance_lock:
         _instance = None

@@ -83,6 +83,7 @@ class WorkerConsumer(RelayConsumer):
             await self.close(code=CLOSE_UNAUTHENTICATED)
             return
         self.last_seen = time.monotonic()
+        self.routes: dict[str, str] = {}  # several API processes: session_id -> browser channel
         # A connection that never says hello, or falls silent later, is closed all the same.
         self.watchdog = asyncio.create_task(self.watch())
 
@@ -149,10 +150,11 @@ class WorkerConsumer(RelayConsumer):
 
     def on_session_accepted(self, message: dict[str, Any]) -> None:
         sessions.session_accept(worker_id=self.worker_id or "", session_id=parse_session_id(message),
-                                now=time.monotonic())
+                                now=time.monotonic(), channel_name=self.channel_name)
 
     def on_session_refused(self, message: dict[str, Any]) -> None:
         session_id, reason = parse_session_refused(message)
+        self.routes.pop(session_id, None)
         sessions.session_refuse(worker_id=self.worker_id or "", session_id=session_id, reason=reason)
 
     def on_rung_changed(self, message: dict[str, Any]) -> None:
@@ -162,15 +164,17 @@ class WorkerConsumer(RelayConsumer):
             "frame_ms_p95": change.frame_ms_p95, "realtime_slots": change.realtime_slots})
         sessions.worker_rung_changed(worker_id=self.worker_id or "", model_id=change.model_id,
                                      realtime=change.realtime, realtime_slots=change.realtime_slots,
-                                     frame_ms_p95=change.frame_ms_p95)
+                                     frame_ms_p95=change.frame_ms_p95, channel_name=self.channel_name)
 
     async def on_frame_result(self, message: dict[str, Any]) -> None:
-        """A frame goes straight to its browser (no database on this path)."""
+        """A frame goes straight to its browser (no database on this path). With several API
+        processes the browser's channel came with the session_start (`routes`)."""
         result = parse_frame_result(message)
-        browser = sessions.frame_result_route(worker_id=self.worker_id or "", session_id=result.session_id)
+        browser = self.routes.get(result.session_id) or sessions.frame_result_route(
+            worker_id=self.worker_id or "", session_id=result.session_id)
         if browser is not None:
             await relay.send(browser, {"type": "session.frame", "seq": result.seq,
-                                                    "image": result.image, "gpu_ms": result.gpu_ms})
+                                       "image": result.image, "gpu_ms": result.gpu_ms})
 
     HANDLERS = {"job_started": on_job_started, "job_progress": on_job_progress,
                 "job_result": on_job_result, "job_failed": on_job_failed,
@@ -230,9 +234,15 @@ class WorkerConsumer(RelayConsumer):
                                                                job_id=event["job_id"])
 
     async def worker_send(self, event: dict[str, Any]) -> None:
-        """A message for the worker from a service (job, cancel)."""
+        """A message for the worker from a service (job, cancel, session_start, session_end). A
+        session_start of shared admission names the browser's channel, for its frame results."""
         if not self.lost:
-            await self.send(text_data=json.dumps(event["message"]))
+            message = event["message"]
+            if event.get("browser"):
+                self.routes[message["session_id"]] = event["browser"]
+            elif message.get("type") == "session_end":
+                self.routes.pop(message.get("session_id", ""), None)
+            await self.send(text_data=json.dumps(message))
 
     async def worker_replaced(self, event: dict[str, Any]) -> None:
         """A newer connection of this worker took over: leave without sending its jobs back."""

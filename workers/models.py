@@ -38,6 +38,9 @@ class Worker(models.Model):
     unknown_models = models.JSONField(default=list, blank=True)
     connected_at = models.DateTimeField(null=True, blank=True)
     last_seen = models.DateTimeField(null=True, blank=True)
+    # The worker socket's channel (several API processes: admission on one process sends
+    # session_start to a worker connected to another); empty once that connection closed.
+    channel_name = models.CharField(max_length=200, blank=True, default="")
 
     class Meta:
         ordering = ["worker_id"]

@@ -325,3 +325,258 @@ def test_a_redis_that_lost_the_queue_loses_no_job(scaled) -> None:
     worker = workers.add(Worker([f"ws://127.0.0.1:{stack.port}/ws/worker/?token={worker_token}"], "after:0"))
     wait_until(lambda: len(worker.jobs) == 3, "every job to be dispatched")
     assert [m["job_id"] for m in worker.jobs] == [ids[1], ids[0], ids[2]]
+
+
+# --- live sessions on two API processes: one admission ---------------------------------------------
+
+from potocolom.stack import next_of  # noqa: E402  (the session tests' reader)
+
+LIVE_MODEL = "scale-live"
+shared_sessions = pytest.mark.skipif(not os.environ.get("DATABASE_URL", "").startswith("postgres"),
+                                     reason="shared admission holds PostgreSQL advisory locks")
+
+
+class RealtimeWorker(Worker):
+    """A worker socket offering realtime slots of LIVE_MODEL: it accepts every session_start and
+    answers each frame with a frame_result of the same seq, at once."""
+
+    def __init__(self, urls: list[str], worker_id: str, *, slots: int = 1) -> None:
+        super().__init__(urls, worker_id)
+        self.slots = slots
+        self.starts: list[dict[str, Any]] = []
+        self.ends: list[str] = []
+        self.frames: list[int] = []
+
+    async def run(self) -> None:
+        import websockets
+
+        attempt = 0
+        while True:
+            url = self.urls[attempt % len(self.urls)]
+            attempt += 1
+            try:
+                async with websockets.connect(url, max_size=None, open_timeout=5) as ws:
+                    self.ws = ws
+                    await ws.send(json.dumps({"type": "hello", "worker_id": self.worker_id, "gpu": None, "models": [
+                        {"model_id": LIVE_MODEL, "rung": "full", "realtime": True, "frame_ms_p95": 5.0,
+                         "realtime_slots": self.slots}]}))
+                    beat = None
+                    try:
+                        async for raw in ws:
+                            await self.on_message(ws, json.loads(raw), beat)
+                            if beat is None and self.hellos:
+                                beat = asyncio.create_task(self.heartbeat(ws, 1.0))
+                    finally:
+                        if beat is not None:
+                            beat.cancel()
+            except (OSError, websockets.ConnectionClosed, TimeoutError):
+                pass
+            await asyncio.sleep(0.1)
+
+    async def on_message(self, ws: Any, message: dict[str, Any], beat: Any) -> None:
+        kind = message["type"]
+        if kind == "welcome":
+            self.hellos += 1
+        elif kind == "session_start":
+            self.starts.append(message)
+            await ws.send(json.dumps({"type": "session_accepted", "session_id": message["session_id"]}))
+        elif kind == "session_end":
+            self.ends.append(message["session_id"])
+        elif kind == "frame":
+            self.frames.append(message["seq"])
+            await ws.send(json.dumps({"type": "frame_result", "session_id": message["session_id"],
+                                      "seq": message["seq"], "image": TINY_PNG_B64, "gpu_ms": 1.0,
+                                      "batch_size": 1}))
+
+
+def canvas(seq: int) -> str:
+    return json.dumps({"type": "frame", "seq": seq, "image": f"data:image/png;base64,{TINY_PNG_B64}",
+                       "params": {"prompt": "p"}})
+
+
+@pytest.fixture
+def live_scaled(tmp_path: Path) -> Iterator[tuple[Stack, dict[str, str], str, Workers]]:
+    """Two API processes sharing admission; (stack, {account: token}, worker token, workers)."""
+    with Stack(workdir=tmp_path, WORKER_HEARTBEAT_SECONDS="1", SESSION_SWEEP_SECONDS="1") as stack:
+        alice, worker_token = stack.prepare()
+        accounts = {"alice": alice, "bob": stack.manage("create_account", "bob")}
+        stack.register(fake_manifest(LIVE_MODEL, ("txt2img", "img2img")))
+        stack.start_api()
+        stack.start_api(port=stack.scale_port)
+        workers = Workers()
+        workers.start()
+        try:
+            yield stack, accounts, worker_token, workers
+        finally:
+            workers.stop()
+
+
+def session_url(port: int, token: str) -> str:
+    return f"ws://127.0.0.1:{port}/ws/session/?model_id={LIVE_MODEL}&token={token}"
+
+
+async def open_session(port: int, token: str) -> Any:
+    import websockets
+
+    return await websockets.connect(session_url(port, token), max_size=None, open_timeout=10)
+
+
+async def close_code(ws: Any) -> int | None:
+    import websockets
+
+    try:
+        while True:
+            await asyncio.wait_for(ws.recv(), WAIT_S)
+    except websockets.ConnectionClosed as closed:
+        return closed.rcvd.code if closed.rcvd is not None else None
+
+
+def daphne_of(stack: Stack, port: int) -> Any:
+    return next(p for p in stack.processes if p.name == "daphne" and str(port) in p.argv)
+
+
+def sweep_holders(stack: Stack) -> list[int]:
+    """The pids of the API processes holding the session sweep lock now (pg_locks)."""
+    import psycopg
+
+    from realtime.presence import SWEEP_LOCK
+
+    with psycopg.connect(stack.database_url, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT a.application_name FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
+            "WHERE l.locktype = 'advisory' AND l.granted AND l.classid::bigint = %s AND l.objid::bigint = %s "
+            "AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+            list(SWEEP_LOCK)).fetchall()
+    return [int(name.split(":")[1]) for (name,) in rows]
+
+
+@shared_sessions
+def test_a_browser_on_one_process_goes_live_on_a_worker_of_the_other_and_gets_its_frames_in_order(
+        live_scaled) -> None:
+    stack, accounts, worker_token, workers = live_scaled
+    worker = workers.add(RealtimeWorker([f"ws://127.0.0.1:{stack.port}/ws/worker/?token={worker_token}"], "gpu-a:0"))
+    wait_until(lambda: worker.hellos == 1, "the worker's welcome")
+
+    async def scenario() -> list[int]:
+        ws = await open_session(stack.scale_port, accounts["alice"])
+        live = await next_of(ws, {"type": "state", "state": "live"}, WAIT_S)
+        assert live == {"type": "state", "state": "live", "model_id": LIVE_MODEL, "worker_id": "gpu-a:0"}
+        for seq in range(1, 31):
+            await ws.send(canvas(seq))
+        got = [(await next_of(ws, {"type": "frame"}, WAIT_S))["seq"] for _ in range(30)]
+        await ws.close()
+        return got
+
+    assert asyncio.run(scenario()) == list(range(1, 31)), "every frame came back, in order"
+    assert worker.frames == list(range(1, 31))
+    wait_until(lambda: worker.ends == [worker.starts[0]["session_id"]], "session_end when the browser left")
+
+
+@shared_sessions
+def test_slots_are_global_one_browser_is_live_and_the_other_process_queues_the_next(live_scaled) -> None:
+    stack, accounts, worker_token, workers = live_scaled
+    worker = workers.add(RealtimeWorker([f"ws://127.0.0.1:{stack.port}/ws/worker/?token={worker_token}"], "gpu-a:0"))
+    wait_until(lambda: worker.hellos == 1, "the worker's welcome")
+
+    async def scenario() -> None:
+        first = await open_session(stack.port, accounts["alice"])
+        await next_of(first, {"type": "state", "state": "live"}, WAIT_S)
+        second = await open_session(stack.scale_port, accounts["bob"])
+        assert await next_of(second, {"type": "state"}, WAIT_S) == {"type": "state", "state": "queued",
+                                                                     "position": 1}
+        assert len(worker.starts) == 1, "the one slot was given once"
+
+        await first.close()
+        live = await next_of(second, {"type": "state", "state": "live"}, WAIT_S)
+        assert live["worker_id"] == "gpu-a:0"
+        await second.send(canvas(1))
+        assert (await next_of(second, {"type": "frame"}, WAIT_S))["seq"] == 1
+        await second.close()
+
+    asyncio.run(scenario())
+    assert len(worker.starts) == 2 and len({s["session_id"] for s in worker.starts}) == 2
+
+
+@shared_sessions
+def test_the_account_limit_and_positions_hold_across_processes(live_scaled) -> None:
+    stack, accounts, _, _ = live_scaled
+
+    async def scenario() -> None:
+        one = await open_session(stack.port, accounts["alice"])
+        assert await next_of(one, {"type": "state"}, WAIT_S) == {"type": "state", "state": "queued", "position": 1}
+        two = await open_session(stack.scale_port, accounts["alice"])
+        assert await next_of(two, {"type": "state"}, WAIT_S) == {"type": "state", "state": "queued", "position": 2}
+        three = await open_session(stack.scale_port, accounts["alice"])
+        assert await close_code(three) == 4003
+        four = await open_session(stack.port, accounts["alice"])
+        assert await close_code(four) == 4003
+        other = await open_session(stack.port, accounts["bob"])
+        assert await next_of(other, {"type": "state"}, WAIT_S) == {"type": "state", "state": "queued",
+                                                                    "position": 3}
+
+        await one.close()  # positions move up on both processes
+        assert await next_of(two, {"type": "state"}, WAIT_S) == {"type": "state", "state": "queued", "position": 1}
+        assert await next_of(other, {"type": "state"}, WAIT_S) == {"type": "state", "state": "queued",
+                                                                    "position": 2}
+        for ws in (two, other):
+            await ws.close()
+
+    asyncio.run(scenario())
+
+
+@shared_sessions
+def test_the_sweep_runs_in_one_process_and_moves_to_the_other_when_it_dies(live_scaled) -> None:
+    stack, accounts, _, _ = live_scaled
+    pids = {port: daphne_of(stack, port).proc.pid for port in (stack.port, stack.scale_port)}
+
+    async def scenario() -> None:
+        # A browser on each process: each process runs its sweep task, and tries for the lock.
+        sockets = [await open_session(port, accounts["alice"]) for port in pids]
+        for ws in sockets:
+            await next_of(ws, {"type": "state", "state": "queued"}, WAIT_S)
+        wait_until(lambda: len(sweep_holders(stack)) == 1, "one process to hold the sweep")
+        (holder,) = sweep_holders(stack)
+        assert holder in pids.values()
+        survivor_port = next(port for port, pid in pids.items() if pid != holder)
+        log = daphne_of(stack, survivor_port).log_path
+
+        stack.kill(next(p for p in stack.processes if p.proc is not None and p.proc.pid == holder))
+        wait_until(lambda: sweep_holders(stack) == [pids[survivor_port]], "the other process to take the sweep")
+        assert "now runs the session sweep" in log.read_text()
+
+        # The dead process's browser reconnects to the survivor as a new session: the account
+        # limit does not count the session of a socket that died with its process.
+        again = await open_session(survivor_port, accounts["alice"])
+        assert await next_of(again, {"type": "state"}, WAIT_S) == {"type": "state", "state": "queued",
+                                                                    "position": 2}
+        for ws in sockets + [again]:
+            await ws.close()
+
+    asyncio.run(scenario())
+
+
+@shared_sessions
+def test_killing_a_process_loses_no_session_its_worker_moves_and_the_session_goes_live_again(
+        live_scaled) -> None:
+    stack, accounts, worker_token, workers = live_scaled
+    urls = [f"ws://127.0.0.1:{port}/ws/worker/?token={worker_token}" for port in (stack.port, stack.scale_port)]
+    worker = workers.add(RealtimeWorker(urls, "mover:0"))
+    wait_until(lambda: worker.hellos == 1, "the worker's welcome")
+
+    async def scenario() -> None:
+        ws = await open_session(stack.scale_port, accounts["alice"])
+        await next_of(ws, {"type": "state", "state": "live"}, WAIT_S)
+        await ws.send(canvas(1))
+        assert (await next_of(ws, {"type": "frame"}, WAIT_S))["seq"] == 1
+
+        stack.kill(daphne_of(stack, stack.port))  # the worker's process: it reconnects to the other
+        # Its hello sends the session back to the queue at its old place (first), and admission
+        # places it again at once, on the same worker: the next state the browser hears is live.
+        live = await next_of(ws, {"type": "state"}, WAIT_S)
+        assert live["state"] == "live" and live["worker_id"] == "mover:0" and worker.hellos == 2
+        await ws.send(canvas(2))
+        assert (await next_of(ws, {"type": "frame"}, WAIT_S))["seq"] == 2
+        await ws.close()
+
+    asyncio.run(scenario())
+    assert [s["session_id"] for s in worker.starts][0] == worker.starts[1]["session_id"], "the same session resumed"

@@ -15,6 +15,7 @@ from realtime.admission import (
     idle_at,
     is_idle,
     model_slots,
+    placement_event_applies,
     positions,
     queue_order,
 )
@@ -155,3 +156,43 @@ def test_the_queue_order_never_changes_except_by_leaving(situation, data):
 
 def test_placements_are_plain_values():
     assert Placement("x", "w1", "a") == Placement("x", "w1", "a")
+
+
+# --- several API processes: news of placements reaching the browser's process -----------------------
+
+@pytest.mark.parametrize("kind, known, placement, applies", [
+    ("live", 0, 1, True),    # the first placement goes live
+    ("live", 1, 2, True),    # placed again after going back: a newer placement
+    ("live", 2, 2, False),   # a late live of a placement already ended (back came first)
+    ("live", 3, 2, False),   # a live of an earlier placement, overtaken by a newer one
+    ("back", 1, 1, True),    # the live placement ended
+    ("back", 1, 2, True),    # back from a placement not yet heard live of: the session waits again
+    ("back", 2, 1, False),   # a late back of an earlier placement must not end a newer live one
+])
+def test_it_applies_news_of_a_placement_only_when_it_is_not_stale(kind, known, placement, applies):
+    assert placement_event_applies(kind, known=known, placement=placement) is applies
+
+
+def test_it_rejects_an_unknown_kind_of_placement_news():
+    with pytest.raises(ValueError):
+        placement_event_applies("idle", known=0, placement=1)
+
+
+def test_the_browsers_process_follows_placements_in_any_order_of_arrival():
+    from realtime.state import LIVE, QUEUED, SessionBoard, SessionEntry
+
+    board = SessionBoard()
+    board.add(SessionEntry("s", 1, "tiny-a", 0, "browser", {}))
+    board.frame("s", {"seq": 1}, now=0.0)  # kept while queued
+
+    assert board.live_here("s", worker_id="w1", worker_channel="c1", placement=1, now=1.0) is not None
+    assert board.frame("s", {"seq": 2}, now=2.0) == (LIVE, "c1")
+    # Placement 1 ended (its worker died) and placement 2 went live on w2; the live news came first.
+    assert board.live_here("s", worker_id="w2", worker_channel="c2", placement=2, now=3.0) is not None
+    assert board.back_here("s", placement=1) is False
+    assert board.frame("s", {"seq": 3}, now=4.0) == (LIVE, "c2")
+    # Placement 2 ends; a late live of it changes nothing, and frames wait for the next one.
+    assert board.back_here("s", placement=2) is True
+    assert board.live_here("s", worker_id="w2", worker_channel="c2", placement=2, now=5.0) is None
+    assert board.frame("s", {"seq": 4}, now=6.0) == (QUEUED, None)
+    assert board.take_pending("s") == {"seq": 4}
