@@ -5,17 +5,20 @@ Every consumer of this project (`RelayConsumer`) registers an inbox under its ch
 long as it runs. `send` / `send_sync` hand a message to that inbox when the channel is local, so a
 frame between a browser and a worker on the same API process skips the channel layer (and Redis)
 both ways, and a job submitted over HTTP reaches a local worker without a new event loop per call
-(`async_to_sync` outside an event loop makes one). Only a channel of another process goes through
-the layer.
+(`async_to_sync` outside an event loop makes one). A channel of another process is reached over
+the process bus (potocolom/bus.py: one Redis PUBLISH) when REDIS_URL is set, through the channel
+layer otherwise; groups always go through the layer.
 
 Order: a consumer handles its messages one at a time, in the order they reached it, whichever way
 they came. Messages from one sender to one channel keep their order because the way they go never
-changes while the receiver lives: local from its registration to its end, the layer otherwise.
+changes while the receiver lives: local from its registration to its end, the bus (or the layer)
+otherwise.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from typing import Any
 
 from asgiref.sync import async_to_sync
@@ -23,6 +26,11 @@ from channels.exceptions import StopConsumer
 from channels.generic.websocket import AsyncWebsocketConsumer
 from channels.layers import get_channel_layer
 from channels.utils import await_many_dispatch
+from django.conf import settings
+
+from potocolom.bus import Bus, process_of
+
+log = logging.getLogger(__name__)
 
 _inboxes: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[dict[str, Any]]]] = {}
 
@@ -55,20 +63,71 @@ def _deliver_local(channel_name: str, message: dict[str, Any]) -> bool:
     return True
 
 
+# --- between processes: the bus (one PUBLISH) when Redis is there, the channel layer otherwise ---
+
+_bus: Bus | None = None
+
+
+def _bus_target(channel_name: str) -> tuple[Bus, str] | None:
+    """The bus and the target's process, when the channel is another process's and the bus runs."""
+    bus = _bus
+    if bus is None or bus.loop is None or bus.loop.is_closed():
+        return None
+    process = process_of(channel_name)
+    if process is None or process == bus.process:
+        return None
+    return bus, process
+
+
+async def _ensure_bus(layer: Any) -> None:
+    """Start this process's end of the bus (REDIS_URL, a RedisChannelLayer) on the running loop."""
+    global _bus
+    if not settings.REDIS_URL or not hasattr(layer, "client_prefix"):
+        return
+    loop = asyncio.get_running_loop()
+    if _bus is not None and _bus.loop is loop:
+        await _bus.ready()  # another consumer is starting it: hand out no channel before it listens
+        return
+    bus = Bus(settings.REDIS_URL, layer.client_prefix, _deliver_local)
+    _bus = bus
+    try:
+        await bus.start()
+    except Exception:  # Redis unreachable: the channel layer carries everything
+        log.exception("the process bus could not start; messages between processes use the channel layer")
+        if _bus is bus:
+            _bus = None
+
+
 async def send(channel_name: str, message: dict[str, Any]) -> None:
-    """From async code: to a consumer in this process directly, else through the channel layer."""
-    if not _deliver_local(channel_name, message):
-        layer = get_channel_layer()
-        if layer is not None:
-            await layer.send(channel_name, message)
+    """From async code: to a consumer in this process directly, to another process's consumer over
+    the bus (or the channel layer)."""
+    if _deliver_local(channel_name, message):
+        return
+    target = _bus_target(channel_name)
+    if target is not None and target[0].loop is asyncio.get_running_loop():
+        await target[0].publish(target[1], channel_name, message)
+        return
+    layer = get_channel_layer()
+    if layer is not None:
+        await layer.send(channel_name, message)
 
 
 def send_sync(channel_name: str, message: dict[str, Any]) -> None:
     """From sync code (a service in a worker thread): the same as `send`."""
-    if not _deliver_local(channel_name, message):
-        layer = get_channel_layer()
-        if layer is not None:
-            async_to_sync(layer.send)(channel_name, message)
+    if _deliver_local(channel_name, message):
+        return
+    target = _bus_target(channel_name)
+    if target is not None:
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is None:
+            target[0].publish_threadsafe(target[1], channel_name, message)
+            return
+    layer = get_channel_layer()
+    if layer is not None:
+        async_to_sync(layer.send)(channel_name, message)
 
 
 class RelayConsumer(AsyncWebsocketConsumer):
@@ -92,6 +151,7 @@ class RelayConsumer(AsyncWebsocketConsumer):
             sources.append(from_layer)
         else:
             self.channel_name = f"local.{id(self)}"
+        await _ensure_bus(self.channel_layer)
         inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         _inboxes[self.channel_name] = (asyncio.get_running_loop(), inbox)
         sources.append(inbox.get)

@@ -29,9 +29,13 @@ def fresh_channel_layer():
     different event loop". A served process has one loop, so this concerns tests only."""
     from channels.layers import channel_layers
 
+    from potocolom import relay
+
     channel_layers.backends.clear()
+    relay._bus = None
     yield
     channel_layers.backends.clear()
+    relay._bus = None
 
 
 @pytest.fixture(autouse=True)
