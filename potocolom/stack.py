@@ -75,10 +75,11 @@ class Stack:
     """One API on a fresh database (SQLite by default; a new PostgreSQL database when DATABASE_URL
     points at PostgreSQL), with REDIS_URL passed on when set."""
 
-    def __init__(self, workdir: Path | None = None, **settings: str) -> None:
+    def __init__(self, workdir: Path | None = None, *, api_processes: int | None = None, **settings: str) -> None:
         self.workdir = workdir or Path(tempfile.mkdtemp(prefix="potocolom-stack-"))
         self.port = free_port()
         self.processes: list[Process] = []
+        self.apis: dict[int, Process] = {}  # port -> its Daphne
         self.database_url, self._drop = self._fresh_database()
         env = {k: v for k, v in os.environ.items() if k not in CONTRACT_SETTINGS}
         env.update({"PYTHONUNBUFFERED": "1", "DATABASE_URL": self.database_url,
@@ -86,6 +87,12 @@ class Stack:
         if os.environ.get("REDIS_URL"):
             env["REDIS_URL"] = os.environ["REDIS_URL"]
         self.env = env
+        # Two API processes (STACK_API_PROCESSES=2, CI's second pass): `start_api()` starts both, REST
+        # clients and browsers use the first, `start_worker` connects workers to the second, so
+        # every end-to-end test crosses processes. Only with PostgreSQL and Redis to share.
+        wanted = api_processes or int(os.environ.get("STACK_API_PROCESSES") or 1)
+        shared = bool(os.environ.get("REDIS_URL")) and self._drop is not None
+        self.api_processes = 2 if wanted >= 2 and shared else 1
 
     def _fresh_database(self) -> tuple[str, str | None]:
         base = os.environ.get("DATABASE_URL", "")
@@ -103,6 +110,11 @@ class Stack:
     @property
     def ws_url(self) -> str:
         return f"ws://127.0.0.1:{self.port}"
+
+    @property
+    def worker_ws_url(self) -> str:
+        """Where `start_worker` connects: the second API process when there are two."""
+        return f"ws://127.0.0.1:{self.scale_port}" if self.api_processes == 2 else self.ws_url
 
     @property
     def scale_port(self) -> int:
@@ -133,12 +145,24 @@ class Stack:
 
     def start_api(self, timeout: float = 90, *, port: int | None = None) -> Process:
         """Daphne on this stack's port, or on `port` (another API process on the same database and
-        Redis: see `scale_port`)."""
+        Redis: see `scale_port`); with two API processes, the second too. One that runs already on
+        that port is left as it is."""
+        both = port is None and self.api_processes == 2
         port = port or self.port
+        if port in self.apis and self.apis[port].running:
+            api = self.apis[port]
+        else:
+            api = self._start_daphne(port, timeout)
+        if both:
+            self.start_api(timeout, port=self.scale_port)
+        return api
+
+    def _start_daphne(self, port: int, timeout: float) -> Process:
         argv = [str(Path(sys.executable).parent / "daphne"), "-b", "127.0.0.1", "-p", str(port),
                 *DAPHNE_OPTIONS, "potocolom.asgi:application"]
         log_name = "daphne.log" if port == self.port else f"daphne-{port}.log"
         api = self.launch(Process("daphne", argv, self.env, self.workdir / log_name))
+        self.apis[port] = api
         deadline = time.monotonic() + timeout
         while not _answers_http(port):
             if not api.running or time.monotonic() > deadline:
@@ -154,7 +178,7 @@ class Stack:
         self.processes.remove(process)
 
     def start_worker(self, token: str, models_dir: Path, *options: str) -> Process:
-        argv = [sys.executable, "manage.py", "runworker_gpu", "--api", self.ws_url, "--token", token,
+        argv = [sys.executable, "manage.py", "runworker_gpu", "--api", self.worker_ws_url, "--token", token,
                 "--device", "cpu", "--models-dir", str(models_dir), *options]
         return self.launch(Process("runworker_gpu", argv, self.env, self.workdir / "worker.log"))
 
