@@ -37,6 +37,9 @@ class Worker:
         self.hellos = 0
         self.ws: Any = None
 
+    def hello_models(self) -> list[dict[str, Any]]:
+        return [{"model_id": MODEL, "rung": "full", "realtime": False, "frame_ms_p95": None, "realtime_slots": 0}]
+
     async def run(self) -> None:
         import websockets
 
@@ -47,24 +50,28 @@ class Worker:
             try:
                 async with websockets.connect(url, max_size=None, open_timeout=5) as ws:
                     self.ws = ws
-                    await ws.send(json.dumps({"type": "hello", "worker_id": self.worker_id, "gpu": None, "models": [
-                        {"model_id": MODEL, "rung": "full", "realtime": False, "frame_ms_p95": None,
-                         "realtime_slots": 0}]}))
+                    await ws.send(json.dumps({"type": "hello", "worker_id": self.worker_id, "gpu": None,
+                                              "models": self.hello_models()}))
                     beat = None
-                    async for raw in ws:
-                        message = json.loads(raw)
-                        if message["type"] == "welcome":
-                            self.hellos += 1
-                            beat = asyncio.create_task(self.heartbeat(ws, message["heartbeat_seconds"]))
-                        elif message["type"] == "job":
-                            self.jobs.append(message)
-                            if self.finish:
-                                await self.complete(message["job_id"])
-                    if beat is not None:
-                        beat.cancel()
+                    try:
+                        async for raw in ws:
+                            message = json.loads(raw)
+                            if message["type"] == "welcome":
+                                self.hellos += 1
+                                beat = asyncio.create_task(self.heartbeat(ws, message["heartbeat_seconds"]))
+                            await self.on_message(ws, message)
+                    finally:
+                        if beat is not None:
+                            beat.cancel()
             except (OSError, websockets.ConnectionClosed, TimeoutError):
                 pass
             await asyncio.sleep(0.1)  # the next API process (or this one, restarted)
+
+    async def on_message(self, ws: Any, message: dict[str, Any]) -> None:
+        if message["type"] == "job":
+            self.jobs.append(message)
+            if self.finish:
+                await self.complete(message["job_id"])
 
     async def complete(self, job_id: str) -> None:
         await self.ws.send(json.dumps({"type": "job_started", "job_id": job_id}))
@@ -347,37 +354,13 @@ class RealtimeWorker(Worker):
         self.ends: list[str] = []
         self.frames: list[int] = []
 
-    async def run(self) -> None:
-        import websockets
+    def hello_models(self) -> list[dict[str, Any]]:
+        return [{"model_id": LIVE_MODEL, "rung": "full", "realtime": True, "frame_ms_p95": 5.0,
+                 "realtime_slots": self.slots}]
 
-        attempt = 0
-        while True:
-            url = self.urls[attempt % len(self.urls)]
-            attempt += 1
-            try:
-                async with websockets.connect(url, max_size=None, open_timeout=5) as ws:
-                    self.ws = ws
-                    await ws.send(json.dumps({"type": "hello", "worker_id": self.worker_id, "gpu": None, "models": [
-                        {"model_id": LIVE_MODEL, "rung": "full", "realtime": True, "frame_ms_p95": 5.0,
-                         "realtime_slots": self.slots}]}))
-                    beat = None
-                    try:
-                        async for raw in ws:
-                            await self.on_message(ws, json.loads(raw), beat)
-                            if beat is None and self.hellos:
-                                beat = asyncio.create_task(self.heartbeat(ws, 1.0))
-                    finally:
-                        if beat is not None:
-                            beat.cancel()
-            except (OSError, websockets.ConnectionClosed, TimeoutError):
-                pass
-            await asyncio.sleep(0.1)
-
-    async def on_message(self, ws: Any, message: dict[str, Any], beat: Any) -> None:
+    async def on_message(self, ws: Any, message: dict[str, Any]) -> None:
         kind = message["type"]
-        if kind == "welcome":
-            self.hellos += 1
-        elif kind == "session_start":
+        if kind == "session_start":
             self.starts.append(message)
             await ws.send(json.dumps({"type": "session_accepted", "session_id": message["session_id"]}))
         elif kind == "session_end":

@@ -21,6 +21,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invar
 
 from scheduling.jobs import InProcessQueues, QueuedJob
 from scheduling.redis_queue import QueueLost, QueueRebuildTimedOut, RedisQueues, redis_client_from_url
+from tests.scheduling.test_jobs import ORDER_CASES as IN_PROCESS_ORDER_CASES
 
 REDIS_URL = os.environ.get("REDIS_URL") or "redis://127.0.0.1:6379/15"
 
@@ -105,14 +106,7 @@ def fill(queues, *jobs: QueuedJob):
 # --- the same behaviour as InProcessQueues ------------------------------------------------------
 
 ORDER_CASES = [
-    # (pushed in this order, expected dispatch order)
-    pytest.param([job("a", at=1), job("b", at=2), job("c", at=3)], ["a", "b", "c"], id="equal priority: FIFO"),
-    pytest.param([job("c", at=3), job("a", at=1), job("b", at=2)], ["a", "b", "c"], id="FIFO by submission, not push"),
-    pytest.param([job("low", priority=0, at=1), job("high", priority=9, at=2)], ["high", "low"],
-                 id="higher priority first"),
-    pytest.param([job("p1", priority=1, at=1), job("p5a", priority=5, at=2), job("p5b", priority=5, at=3),
-                  job("p0", priority=0, at=0)], ["p5a", "p5b", "p1", "p0"], id="priority then FIFO"),
-    pytest.param([job("y", at=5), job("x", at=5)], ["x", "y"], id="same instant: job_id breaks the tie"),
+    *IN_PROCESS_ORDER_CASES,  # the in-process queue's own table (tests/scheduling/test_jobs.py)
     pytest.param([job("late", at=2_000_000_000_000_000), job("early", at=999_999_999_999_999), job("zero", at=0)],
                  ["zero", "early", "late"], id="microseconds since the epoch, a digit apart"),
     pytest.param([job("ab", at=1), job("a", at=1), job("B", at=1), job("é", at=1), job("a-b", at=1)],
