@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import websockets  # noqa: E402
 
-from potocolom.stack import TINY_PNG_B64, Process, Stack, fake_manifest, next_of  # noqa: E402
+from potocolom.stack import TINY_PNG_B64, BenchWorker, Process, Stack, fake_manifest, next_of  # noqa: E402
 
 MODEL = "bench-live"
 WAIT_S = 120.0
@@ -55,42 +55,8 @@ def verdict(ok: bool) -> str:
     return "met" if ok else "NOT met"
 
 
-class FakeWorker:
-    """A worker socket that serves MODEL live, accepts every session and answers each frame at once."""
-
-    def __init__(self, url: str, name: str, slots: int) -> None:
-        self.url, self.name, self.slots = url, name, slots
-        self.ready = asyncio.Event()
-
-    async def run(self) -> None:
-        async with websockets.connect(self.url, max_size=None, compression=None) as ws:
-            await ws.send(json.dumps({"type": "hello", "worker_id": self.name, "gpu": None, "models": [
-                {"model_id": MODEL, "rung": "full", "realtime": True, "frame_ms_p95": 10.0,
-                 "realtime_slots": self.slots}]}))
-            beat = asyncio.create_task(self.heartbeat(ws))
-            try:
-                async for raw in ws:
-                    message = json.loads(raw)
-                    kind = message["type"]
-                    if kind == "welcome":
-                        self.ready.set()
-                    elif kind == "session_start":
-                        await ws.send(json.dumps({"type": "session_accepted", "session_id": message["session_id"]}))
-                    elif kind == "frame":
-                        await ws.send(json.dumps({"type": "frame_result", "session_id": message["session_id"],
-                                                  "seq": message["seq"], "image": TINY_PNG_B64, "gpu_ms": 0.0,
-                                                  "batch_size": 1}))
-            finally:
-                beat.cancel()
-
-    async def heartbeat(self, ws: Any) -> None:
-        while True:
-            await asyncio.sleep(2)
-            await ws.send(json.dumps({"type": "heartbeat"}))
-
-
-async def with_fake_worker(stack: Stack, worker_token: str, slots: int, name: str) -> tuple[FakeWorker, asyncio.Task]:
-    worker = FakeWorker(f"{stack.ws_url}/ws/worker/?token={worker_token}", name, slots)
+async def with_fake_worker(stack: Stack, worker_token: str, slots: int, name: str) -> tuple[BenchWorker, asyncio.Task]:
+    worker = BenchWorker(f"{stack.ws_url}/ws/worker/?token={worker_token}", name, MODEL, slots=slots)
     task = asyncio.create_task(worker.run())
     await asyncio.wait_for(worker.ready.wait(), 30)
     return worker, task

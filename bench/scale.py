@@ -36,7 +36,7 @@ os.environ.setdefault("REDIS_URL", "redis://127.0.0.1:6379/9")
 import websockets  # noqa: E402
 
 from bench.dispatch import KeepAliveClient  # noqa: E402
-from potocolom.stack import ROOT, TINY_PNG_B64, Stack, fake_manifest, next_of  # noqa: E402
+from potocolom.stack import ROOT, TINY_PNG_B64, BenchWorker, Stack, fake_manifest, next_of  # noqa: E402
 
 MODEL = "scale-bench"
 
@@ -46,37 +46,11 @@ def percentile(values: list[float], p: float) -> float:
     return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
 
 
-class Worker:
-    """A worker socket: finishes each job at once, accepts every session, answers each frame at once."""
-
-    def __init__(self, url: str, name: str, slots: int = 0) -> None:
-        self.url, self.name, self.slots = url, name, slots
-        self.finished = 0
-        self.ready = asyncio.Event()
-
-    async def run(self) -> None:
-        async with websockets.connect(self.url, max_size=None, compression=None) as ws:
-            await ws.send(json.dumps({"type": "hello", "worker_id": self.name, "gpu": None, "models": [
-                {"model_id": MODEL, "rung": "full", "realtime": self.slots > 0,
-                 "frame_ms_p95": 10.0 if self.slots else None, "realtime_slots": self.slots}]}))
-            async for raw in ws:
-                message = json.loads(raw)
-                kind = message["type"]
-                if kind == "welcome":
-                    self.ready.set()
-                elif kind == "job":
-                    await ws.send(json.dumps({"type": "job_result", "job_id": message["job_id"],
-                                              "images": [TINY_PNG_B64], "gpu_ms": 0.0, "rung": "full"}))
-                    self.finished += 1
-                elif kind == "session_start":
-                    await ws.send(json.dumps({"type": "session_accepted", "session_id": message["session_id"]}))
-                elif kind == "frame":
-                    await ws.send(json.dumps({"type": "frame_result", "session_id": message["session_id"],
-                                              "seq": message["seq"], "image": TINY_PNG_B64, "gpu_ms": 0.0,
-                                              "batch_size": 1}))
+def Worker(url: str, name: str, slots: int = 0) -> BenchWorker:  # noqa: N802 - a worker of MODEL
+    return BenchWorker(url, name, MODEL, slots=slots)
 
 
-async def start_workers(workers: list[Worker]) -> list[asyncio.Task]:
+async def start_workers(workers: list[BenchWorker]) -> list[asyncio.Task]:
     tasks = [asyncio.create_task(w.run()) for w in workers]
     await asyncio.wait_for(asyncio.gather(*(w.ready.wait() for w in workers)), 30)
     return tasks

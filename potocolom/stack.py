@@ -212,6 +212,51 @@ def fake_manifest(model_id: str, capabilities: tuple[str, ...] = ("txt2img",)) -
 TINY_PNG_B64 = ("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVQI12P4z8AAAAMBAQAYeP0KAAAAAElFTkSuQmCC")
 
 
+class BenchWorker:
+    """The worker side of the socket for benches: serves `model` (live with `slots` > 0), finishes
+    each job at once, accepts every session and answers each frame at once; heartbeats as told."""
+
+    def __init__(self, url: str, name: str, model: str, *, slots: int = 0) -> None:
+        self.url, self.name, self.model, self.slots = url, name, model, slots
+        self.finished = 0
+        self.ready = asyncio.Event()
+
+    async def run(self) -> None:
+        import websockets
+
+        async with websockets.connect(self.url, max_size=None, compression=None) as ws:
+            await ws.send(json.dumps({"type": "hello", "worker_id": self.name, "gpu": None, "models": [
+                {"model_id": self.model, "rung": "full", "realtime": self.slots > 0,
+                 "frame_ms_p95": 10.0 if self.slots else None, "realtime_slots": self.slots}]}))
+            beat: asyncio.Task | None = None
+            try:
+                async for raw in ws:
+                    message = json.loads(raw)
+                    kind = message["type"]
+                    if kind == "welcome":
+                        beat = asyncio.create_task(self._heartbeat(ws, float(message["heartbeat_seconds"])))
+                        self.ready.set()
+                    elif kind == "job":
+                        await ws.send(json.dumps({"type": "job_result", "job_id": message["job_id"],
+                                                  "images": [TINY_PNG_B64], "gpu_ms": 0.0, "rung": "full"}))
+                        self.finished += 1
+                    elif kind == "session_start":
+                        await ws.send(json.dumps({"type": "session_accepted", "session_id": message["session_id"]}))
+                    elif kind == "frame":
+                        await ws.send(json.dumps({"type": "frame_result", "session_id": message["session_id"],
+                                                  "seq": message["seq"], "image": TINY_PNG_B64, "gpu_ms": 0.0,
+                                                  "batch_size": 1}))
+            finally:
+                if beat is not None:
+                    beat.cancel()
+
+    @staticmethod
+    async def _heartbeat(ws: Any, seconds: float) -> None:
+        while True:
+            await asyncio.sleep(seconds)
+            await ws.send(json.dumps({"type": "heartbeat"}))
+
+
 async def next_of(ws: Any, wanted: dict[str, Any], timeout: float = 120.0) -> dict[str, Any]:
     """The next JSON message on a websocket with these fields (others are skipped)."""
     async def read() -> dict[str, Any]:
