@@ -175,8 +175,43 @@ class RelayConsumer(AsyncWebsocketConsumer):
                 del _inboxes[self.channel_name]
 
 
+# Group messages are notices (wake up, cancel this): the work they announce is in the database
+# already, so a Redis that is restarting must not fail the request or the consumer that sends them.
+# A connection a restart broke fails once, then the pool opens a new one: so one retry.
+_REDIS_ERRORS: tuple[type[BaseException], ...] = (ConnectionError, OSError, TimeoutError)
+try:
+    import redis
+
+    _REDIS_ERRORS = (*_REDIS_ERRORS, redis.RedisError)
+except ImportError:  # pragma: no cover - redis is a requirement
+    pass
+
+
 def group_send_sync(group: str, message: dict[str, Any]) -> None:
-    """From sync code: to every consumer in a channel-layer group, whichever process holds it."""
+    """From sync code: to every consumer in a channel-layer group, whichever process holds it
+    (retried once, then logged: never raised)."""
     layer = get_channel_layer()
-    if layer is not None:
-        async_to_sync(layer.group_send)(group, message)
+    if layer is None:
+        return
+    for attempt in (1, 2):
+        try:
+            async_to_sync(layer.group_send)(group, message)
+            return
+        except _REDIS_ERRORS as exc:
+            if attempt == 2:
+                log.warning("could not send %s to group %s: %s", message.get("type"), group, exc)
+
+
+async def group_membership(layer: Any, group: str, channel_name: str, *, join: bool = True) -> bool:
+    """Join (or leave) a channel-layer group, retried once; False (logged) when Redis is away."""
+    for attempt in (1, 2):
+        try:
+            if join:
+                await layer.group_add(group, channel_name)
+            else:
+                await layer.group_discard(group, channel_name)
+            return True
+        except _REDIS_ERRORS as exc:
+            if attempt == 2:
+                log.warning("could not %s group %s: %s", "join" if join else "leave", group, exc)
+    return False

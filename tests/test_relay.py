@@ -35,7 +35,8 @@ def layer_refuses(monkeypatch):
     monkeypatch.setattr(layer, "send", refuse)
 
 
-async def test_a_local_consumer_gets_messages_in_memory_and_in_order(layer_refuses):
+async def test_a_local_consumer_gets_messages_in_memory_and_in_order(layer_refuses, db):
+    # (db: channels' websocket_disconnect closes the sync thread's old database connections)
     communicator = WebsocketCommunicator(Echo.as_asgi(), "/")
     assert (await communicator.connect())[0]
     name = await communicator.receive_from()

@@ -124,7 +124,7 @@ class WorkerConsumer(RelayConsumer):
             "type": "welcome", "unknown_models": unknown,
             "heartbeat_seconds": settings.WORKER_HEARTBEAT_SECONDS, "frame_budget_ms": settings.FRAME_BUDGET_MS}))
         if shared_queue():
-            await self.channel_layer.group_add(jobs.WORKERS_GROUP, self.channel_name)
+            await relay.group_membership(self.channel_layer, jobs.WORKERS_GROUP, self.channel_name)
         replaced = await database_sync_to_async(jobs.worker_connected)(
             worker_id=hello.worker_id, channel_name=self.channel_name, models=[m["model_id"] for m in served])
         if replaced:
@@ -187,12 +187,16 @@ class WorkerConsumer(RelayConsumer):
         period = settings.WORKER_HEARTBEAT_SECONDS
         while not self.lost:
             await asyncio.sleep(period)
-            if shared_queue() and self.worker_id is not None and not worker_is_dead(
-                    last_seen=self.last_seen, now=time.monotonic(), heartbeat_seconds=period):
-                # Other API processes read this to tell a worker connected here from a lost one.
-                await database_sync_to_async(jobs.worker_seen)(worker_id=self.worker_id)
-                await self.channel_layer.group_add(jobs.WORKERS_GROUP, self.channel_name)  # groups expire
-            await database_sync_to_async(jobs.sweep_orphans)()
+            try:
+                if shared_queue() and self.worker_id is not None and not worker_is_dead(
+                        last_seen=self.last_seen, now=time.monotonic(), heartbeat_seconds=period):
+                    # Other API processes read this to tell a worker connected here from a lost one.
+                    await database_sync_to_async(jobs.worker_seen)(worker_id=self.worker_id)
+                    # Groups expire, and a restarted Redis has none: join again every period.
+                    await relay.group_membership(self.channel_layer, jobs.WORKERS_GROUP, self.channel_name)
+                await database_sync_to_async(jobs.sweep_orphans)()
+            except Exception:  # the database or Redis is away this period: the watch goes on
+                log.exception("worker %s: the periodic check failed", self.worker_id or "(no hello)")
             if worker_is_dead(last_seen=self.last_seen, now=time.monotonic(), heartbeat_seconds=period):
                 log.warning("worker %s sent nothing for 3 heartbeat periods: dead", self.worker_id or "(no hello)")
                 await self.lose()
@@ -216,7 +220,7 @@ class WorkerConsumer(RelayConsumer):
         if self.watchdog is not None and self.watchdog is not asyncio.current_task():
             self.watchdog.cancel()
         if shared_queue() and self.channel_layer is not None:
-            await self.channel_layer.group_discard(jobs.WORKERS_GROUP, self.channel_name)
+            await relay.group_membership(self.channel_layer, jobs.WORKERS_GROUP, self.channel_name, join=False)
         await self.lose()
 
     # messages from other API processes (a shared queue)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -332,6 +333,77 @@ def test_a_redis_that_lost_the_queue_loses_no_job(scaled) -> None:
     worker = workers.add(Worker([f"ws://127.0.0.1:{stack.port}/ws/worker/?token={worker_token}"], "after:0"))
     wait_until(lambda: len(worker.jobs) == 3, "every job to be dispatched")
     assert [m["job_id"] for m in worker.jobs] == [ids[1], ids[0], ids[2]]
+
+
+class PrivateRedis:
+    """A Redis server of this test's own (as the deployment runs it: nothing on disk), so it can be
+    killed and started again without touching the one the rest of the suite uses."""
+
+    def __init__(self, workdir: Path) -> None:
+        from potocolom.stack import free_port
+
+        self.port, self.workdir = free_port(), workdir
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        import redis
+
+        self.proc = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                      "--appendonly", "no", "--dir", str(self.workdir)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis.from_url(self.url, socket_connect_timeout=1)
+
+        def answers() -> bool:
+            try:
+                return bool(client.ping())
+            except redis.RedisError:
+                return False
+
+        wait_until(answers, "the private Redis to answer", timeout=20)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+@pytest.mark.skipif(not os.environ.get("DATABASE_URL", "").startswith("postgres"),
+                    reason="the queue is rebuilt from PostgreSQL")
+def test_a_redis_restart_loses_no_job_and_both_processes_carry_on(tmp_path: Path) -> None:
+    redis_server = PrivateRedis(tmp_path)
+    redis_server.start()
+    try:
+        with Stack(workdir=tmp_path, WORKER_HEARTBEAT_SECONDS="1") as stack:
+            stack.env["REDIS_URL"] = redis_server.url
+            account, worker_token = stack.prepare()
+            stack.register(fake_manifest(MODEL))
+            stack.start_api()
+            stack.start_api(port=stack.scale_port)
+            workers = Workers()
+            workers.start()
+            try:
+                client = api(stack, stack.scale_port, account)
+                ids = [submit(client, priority=p) for p in (0, 1, 0)]
+
+                redis_server.kill()  # kill -9: everything in it is gone, every connection to it drops
+                redis_server.start()
+
+                worker = workers.add(Worker([f"ws://127.0.0.1:{stack.port}/ws/worker/?token={worker_token}"],
+                                            "after-restart:0"))
+                wait_until(lambda: len(worker.jobs) == 3, "the queued jobs, rebuilt from the database")
+                assert [m["job_id"] for m in worker.jobs] == [ids[1], ids[0], ids[2]]
+                # The other process still hands its jobs over through the restarted Redis.
+                later = submit(client)
+                wait_until(lambda: len(worker.jobs) == 4, "a job submitted to the other process")
+                assert worker.jobs[3]["job_id"] == later
+                final = states(client, [*ids, later])
+                assert {j["state"] for j in final.values()} == {"succeeded"}
+                assert {j["attempts"] for j in final.values()} == {1}
+            finally:
+                workers.stop()
+    finally:
+        redis_server.kill()
 
 
 # --- live sessions on two API processes: one admission ---------------------------------------------
