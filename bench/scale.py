@@ -25,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -166,8 +167,9 @@ import asyncio, json, os, sys, time
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "potocolom.settings")
 import django; django.setup()
 from channels.layers import get_channel_layer
-role, mode, sessions, seconds, image = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), sys.argv[5]
-group = mode == "group"
+role, mode, sessions, seconds, image, run = sys.argv[1:7]
+sessions, seconds, group = int(sessions), float(seconds), mode == "group"
+import logging; logging.getLogger("channels_redis").setLevel(logging.WARNING)
 
 async def main():
     layer = get_channel_layer()
@@ -175,22 +177,22 @@ async def main():
     if role == "echo":
         if group:  # what a hand-rolled Channels relay does: a group per session and side
             for k in range(sessions):
-                await layer.group_add(f"bench-worker-{k}", me)
-        await layer.send("scale-bench-echo", {"type": "hello", "reply_to": me})
+                await layer.group_add(f"bench-{run}-worker-{k}", me)
+        await layer.send(f"scale-bench-echo-{run}", {"type": "hello", "reply_to": me})
         while True:
             message = await layer.receive(me)
             if message["type"] == "stop":
                 return
             reply = {"type": "frame", "n": message["n"], "k": message["k"], "image": message["image"]}
             if group:
-                await layer.group_send(f"bench-browser-{message['k']}", reply)
+                await layer.group_send(f"bench-{run}-browser-{message['k']}", reply)
             else:
                 await layer.send(message["reply_to"], reply)
-    echo = (await layer.receive("scale-bench-echo"))["reply_to"]
+    echo = (await layer.receive(f"scale-bench-echo-{run}"))["reply_to"]
     inboxes = [await layer.new_channel() for _ in range(sessions)]
     if group:
         for k, inbox in enumerate(inboxes):
-            await layer.group_add(f"bench-browser-{k}", inbox)
+            await layer.group_add(f"bench-{run}-browser-{k}", inbox)
     done = [0] * sessions
     deadline = time.perf_counter() + seconds
     async def loop(k):
@@ -199,7 +201,7 @@ async def main():
             n += 1
             message = {"type": "frame", "n": n, "k": k, "image": image, "reply_to": inboxes[k]}
             if group:
-                await layer.group_send(f"bench-worker-{k}", message)
+                await layer.group_send(f"bench-{run}-worker-{k}", message)
             else:
                 await layer.send(echo, message)
             while (await layer.receive(inboxes[k]))["n"] != n:
@@ -219,9 +221,10 @@ def plain_redis_relay(mode: str, sessions: int, seconds: float, env: dict[str, s
     session: by group_send to a group per session and side (mode "group"), or by send to a channel."""
     argv = [sys.executable, "-c", PLAIN_RELAY]
     image = "data:image/png;base64," + TINY_PNG_B64
-    echo = subprocess.Popen([*argv, "echo", mode, str(sessions), str(seconds), image], cwd=ROOT, env=env)
+    run = uuid.uuid4().hex[:8]  # groups of earlier runs stay in Redis for a day: never reuse their names
+    echo = subprocess.Popen([*argv, "echo", mode, str(sessions), str(seconds), image, run], cwd=ROOT, env=env)
     try:
-        result = subprocess.run([*argv, "drive", mode, str(sessions), str(seconds), image], cwd=ROOT, env=env,
+        result = subprocess.run([*argv, "drive", mode, str(sessions), str(seconds), image, run], cwd=ROOT, env=env,
                                 capture_output=True, text=True, timeout=seconds + 60)
         if result.returncode != 0:
             return f"not measured: {result.stderr.strip().splitlines()[-1:]}"
