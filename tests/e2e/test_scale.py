@@ -7,6 +7,7 @@ as soon as it gets it (or holds it, for the kill test), and records every `job` 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -116,6 +117,16 @@ class Workers(threading.Thread):
         self.join(10)
 
 
+@contextlib.contextmanager
+def running_workers() -> Iterator[Workers]:
+    workers = Workers()
+    workers.start()
+    try:
+        yield workers
+    finally:
+        workers.stop()
+
+
 def wait_until(predicate: Any, what: str, timeout: float = WAIT_S) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -131,12 +142,8 @@ def scaled(tmp_path: Path) -> Iterator[tuple[Stack, str, str, Workers]]:
         stack.register(fake_manifest(MODEL))
         stack.start_api()
         stack.start_api(port=stack.scale_port)
-        workers = Workers()
-        workers.start()
-        try:
+        with running_workers() as workers:
             yield stack, account, worker_token, workers
-        finally:
-            workers.stop()
 
 
 def api(stack: Stack, port: int, token: str) -> httpx.Client:
@@ -380,9 +387,7 @@ def test_a_redis_restart_loses_no_job_and_both_processes_carry_on(tmp_path: Path
             stack.register(fake_manifest(MODEL))
             stack.start_api()
             stack.start_api(port=stack.scale_port)
-            workers = Workers()
-            workers.start()
-            try:
+            with running_workers() as workers:
                 client = api(stack, stack.scale_port, account)
                 ids = [submit(client, priority=p) for p in (0, 1, 0)]
 
@@ -400,8 +405,6 @@ def test_a_redis_restart_loses_no_job_and_both_processes_carry_on(tmp_path: Path
                 final = states(client, [*ids, later])
                 assert {j["state"] for j in final.values()} == {"succeeded"}
                 assert {j["attempts"] for j in final.values()} == {1}
-            finally:
-                workers.stop()
     finally:
         redis_server.kill()
 
@@ -458,12 +461,8 @@ def live_scaled(tmp_path: Path) -> Iterator[tuple[Stack, dict[str, str], str, Wo
         stack.register(fake_manifest(LIVE_MODEL, ("txt2img", "img2img")))
         stack.start_api()
         stack.start_api(port=stack.scale_port)
-        workers = Workers()
-        workers.start()
-        try:
+        with running_workers() as workers:
             yield stack, accounts, worker_token, workers
-        finally:
-            workers.stop()
 
 
 def session_url(port: int, token: str) -> str:
