@@ -21,6 +21,7 @@ import contextlib
 import logging
 from typing import Any
 
+import redis
 from asgiref.sync import async_to_sync
 from channels.consumer import get_handler_name
 from channels.exceptions import StopConsumer
@@ -178,13 +179,7 @@ class RelayConsumer(AsyncWebsocketConsumer):
 # Group messages are notices (wake up, cancel this): the work they announce is in the database
 # already, so a Redis that is restarting must not fail the request or the consumer that sends them.
 # A connection a restart broke fails once, then the pool opens a new one: so one retry.
-_REDIS_ERRORS: tuple[type[BaseException], ...] = (ConnectionError, OSError, TimeoutError)
-try:
-    import redis
-
-    _REDIS_ERRORS = (*_REDIS_ERRORS, redis.RedisError)
-except ImportError:  # pragma: no cover - redis is a requirement
-    pass
+_REDIS_ERRORS = (redis.RedisError, OSError, TimeoutError)
 
 
 def group_send_sync(group: str, message: dict[str, Any]) -> None:

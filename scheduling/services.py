@@ -159,16 +159,22 @@ def job_submit(*, account: User, request: JobRequest) -> Job:
 
 
 def _queue_and_dispatch(job: Job) -> None:
-    current = dispatcher()
-    current.push(queued_job(job))
-    dispatch()
-    if current.shared and str(job.id) in current.queues:
-        wake_other_processes()
+    dispatcher().push(queued_job(job))
+    dispatch_or_wake({str(job.id)})
 
 
 # --- several API processes (a shared queue) ----------------------------------------------------
 
 WORKERS_GROUP = "potocolom.workers"  # every worker socket of every API process, when the queue is shared
+
+
+def dispatch_or_wake(queued: set[str]) -> None:
+    """Dispatch; with a shared queue, jobs of `queued` that no worker of this process took wake the
+    other processes (from the dispatch's own answer: no queue lookup on the submit path; a job
+    another thread dispatched meanwhile only costs a needless wake-up)."""
+    taken = {assignment.job.job_id for assignment in dispatch()}
+    if dispatcher().shared and queued - taken:
+        wake_other_processes()
 
 
 def wake_other_processes() -> None:
@@ -234,9 +240,7 @@ def job_requeue(*, job: Job) -> Job:
         holder = current.release(str(job.id))
         _tell_holder(current, holder, str(job.id), worker_id)
         current.push(queued_job(job))
-        dispatch()
-        if current.shared and str(job.id) in current.queues:
-            wake_other_processes()
+        dispatch_or_wake({str(job.id)})
     return job
 
 
@@ -317,7 +321,7 @@ def jobs_return(*, job_ids: set[str]) -> None:
     and fails with worker_lost the second time."""
     now = timezone.now()
     current = dispatcher()
-    requeued = []
+    requeued: list[str] = []
     for job in Job.objects.filter(id__in=job_ids, state__in=HELD_STATES):
         current.release(str(job.id))
         if retry_decision(attempts=job.attempts) == "requeue":
@@ -330,9 +334,7 @@ def jobs_return(*, job_ids: set[str]) -> None:
         else:
             Job.objects.filter(id=job.id, state__in=HELD_STATES).update(
                 state=JobState.FAILED, error=WORKER_LOST, finished_at=now)
-    dispatch()
-    if current.shared and any(job_id in current.queues for job_id in requeued):
-        wake_other_processes()
+    dispatch_or_wake(set(requeued))
 
 
 def worker_connected(*, worker_id: str, channel_name: str, models: list[str]) -> str | None:
