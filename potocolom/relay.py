@@ -27,7 +27,6 @@ from channels.consumer import get_handler_name
 from channels.exceptions import StopConsumer
 from channels.generic.websocket import AsyncWebsocketConsumer
 from channels.layers import get_channel_layer
-from channels.utils import await_many_dispatch
 from django.conf import settings
 
 from potocolom.bus import Bus, process_of
@@ -107,7 +106,7 @@ async def send(channel_name: str, message: dict[str, Any]) -> None:
         return
     target = _bus_target(channel_name)
     if target is not None and target[0].loop is asyncio.get_running_loop():
-        await target[0].publish(target[1], channel_name, message)
+        target[0].post(target[1], channel_name, message)
         return
     layer = get_channel_layer()
     if layer is not None:
@@ -151,6 +150,11 @@ class RelayConsumer(AsyncWebsocketConsumer):
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         self.scope = scope
         self.channel_layer = get_channel_layer(self.channel_layer_alias)
+        # One inbox for everything this consumer handles: the client socket and the channel layer
+        # each feed it from a task of their own, and local senders put into it directly. (Channels'
+        # await_many_dispatch waits on a fresh task per source after every message instead: an
+        # asyncio.wait and a new task per frame.)
+        inbox: asyncio.Queue[Any] = asyncio.Queue()
         sources = [receive]
         if self.channel_layer is not None:
             self.channel_name = await self.channel_layer.new_channel()
@@ -163,17 +167,41 @@ class RelayConsumer(AsyncWebsocketConsumer):
         else:
             self.channel_name = f"local.{id(self)}"
         await _ensure_bus(self.channel_layer)
-        inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         _inboxes[self.channel_name] = (asyncio.get_running_loop(), inbox)
-        sources.append(inbox.get)
+        feeds = [asyncio.create_task(_feed(source, inbox)) for source in sources]
         self.base_send = send
         try:
-            await await_many_dispatch(sources, self.dispatch)
+            while True:
+                message = await inbox.get()
+                if isinstance(message, _Failed):
+                    raise message.error
+                await self.dispatch(message)
         except StopConsumer:
             pass
         finally:
             with contextlib.suppress(KeyError):
                 del _inboxes[self.channel_name]
+            for feed in feeds:
+                feed.cancel()
+            await asyncio.gather(*feeds, return_exceptions=True)
+
+
+class _Failed:
+    """A source that raised: the consumer raises it in turn, as channels' dispatch loop would."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+async def _feed(source: Any, inbox: asyncio.Queue[Any]) -> None:
+    """Move what a source yields into the consumer's inbox, in order, until it fails or is cancelled."""
+    try:
+        while True:
+            inbox.put_nowait(await source())
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        inbox.put_nowait(_Failed(exc))
 
 
 # Group messages are notices (wake up, cancel this): the work they announce is in the database

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import uuid
 from typing import Any
 
@@ -63,3 +64,146 @@ async def test_a_message_reaches_the_consumer_of_the_other_process_in_order():
         await b.close()
     assert [message["seq"] for _, message in got] == list(range(200))
     assert {target for target, _ in got} == {target}
+
+
+# --- RESP: the part the bus speaks -------------------------------------------------------------
+
+from potocolom.bus import _INCOMPLETE, RespError, command, parse  # noqa: E402
+
+
+def test_a_command_is_an_array_of_bulk_strings_counted_in_bytes():
+    assert command("PUBLISH", "ch", "é") == b"*3\r\n$7\r\nPUBLISH\r\n$2\r\nch\r\n$2\r\n\xc3\xa9\r\n"
+
+
+def test_it_parses_what_redis_sends_a_subscriber():
+    message = b"*3\r\n$7\r\nmessage\r\n$2\r\nch\r\n$5\r\nhe\r\nl\r\n"  # a payload may hold CRLF
+    assert parse(message) == ([b"message", b"ch", b"he\r\nl"], len(message))
+    assert parse(b"*3\r\n$9\r\nsubscribe\r\n$2\r\nch\r\n:1\r\n")[0] == [b"subscribe", b"ch", 1]
+    assert parse(b"+OK\r\n") == ("OK", 5)
+    error, end = parse(b"-NOAUTH Authentication required.\r\n")
+    assert isinstance(error, RespError) and "NOAUTH" in str(error) and end == 34
+    assert parse(b"$-1\r\n") == (None, 5)
+
+
+def test_a_value_cut_anywhere_is_incomplete_until_it_is_whole():
+    message = b"*3\r\n$7\r\nmessage\r\n$2\r\nch\r\n$5\r\nhello\r\n"
+    for cut in range(len(message)):
+        assert parse(message[:cut]) is _INCOMPLETE, cut
+    # two values back to back: the second starts where the first ended
+    value, end = parse(message + b"+OK\r\n")
+    assert parse(message + b"+OK\r\n", end) == ("OK", len(message) + 5)
+
+
+def test_something_that_is_not_resp_is_an_error_not_a_guess():
+    with pytest.raises(ValueError):
+        parse(b"hello\r\n")
+
+
+class RecordingTransport:
+    """The publisher's socket, as the bus sees it (its one seam): what was written, in one call each."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(data)
+
+    def is_closing(self) -> bool:
+        return False
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+
+async def test_what_is_posted_in_one_turn_goes_out_in_one_write_one_publish_per_process():
+    bus = Bus("redis://127.0.0.1:1/0", "me", lambda target, message: False)
+    transport = RecordingTransport()
+    bus._publisher = transport  # type: ignore[assignment]
+    bus.post("p1", "specific.p1!a", {"seq": 1})
+    bus.post("p2", "specific.p2!b", {"seq": 2})
+    bus.post("p1", "specific.p1!c", {"seq": 3})
+    assert transport.writes == [], "nothing is written before the turn ends"
+    await asyncio.sleep(0)
+    (written,) = transport.writes
+    commands = []
+    end = 0
+    while end < len(written):
+        value, end = parse(written, end)
+        commands.append(value)
+    assert [c[:2] for c in commands] == [[b"PUBLISH", b"potocolom.bus.p1"], [b"PUBLISH", b"potocolom.bus.p2"]]
+    import json
+    assert json.loads(commands[0][2]) == [["specific.p1!a", {"seq": 1}], ["specific.p1!c", {"seq": 3}]]
+    assert json.loads(commands[1][2]) == [["specific.p2!b", {"seq": 2}]]
+
+
+async def test_a_message_posted_while_redis_is_away_is_dropped_not_kept_growing():
+    bus = Bus("redis://127.0.0.1:1/0", "me", lambda target, message: False)
+    bus.post("p1", "specific.p1!a", {"seq": 1})
+    await asyncio.sleep(0)
+    assert bus._pending == [] and bus._lost == 1
+
+
+async def test_a_bus_that_cannot_reach_redis_says_so_at_start():
+    from potocolom.stack import free_port
+
+    bus = Bus(f"redis://127.0.0.1:{free_port()}/0", "me", lambda target, message: False)
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(bus.start(), 1)  # it would keep trying for 10 s
+    await bus.close()
+
+
+def test_it_refuses_a_url_it_cannot_speak():
+    bus = Bus("rediss://example:6380/0", "me", lambda target, message: False)
+    with pytest.raises(ValueError, match="redis://"):
+        asyncio.run(bus.start())
+
+
+async def until(condition, what: str, timeout: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.skipif(not shutil.which("redis-server"), reason="no redis-server to restart")
+async def test_after_a_redis_restart_both_ends_reconnect_and_messages_flow_again(tmp_path):
+    import subprocess
+
+    from potocolom.stack import free_port
+
+    port = free_port()
+    argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            "--dir", str(tmp_path)]
+    url = f"redis://127.0.0.1:{port}/0"
+    got: list[int] = []
+    a = Bus(url, "a" + uuid.uuid4().hex, lambda target, message: False)
+    b = Bus(url, "b" + uuid.uuid4().hex, lambda target, message: got.append(message["n"]) is None)
+    server = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
+    try:
+        await until(lambda: _answers(port), "redis to start")
+        await a.start()
+        await b.start()
+        a.post(b.process, f"specific.{b.process}!x", {"n": 1})
+        await until(lambda: got == [1], "the first message")
+
+        server.kill()  # what a restart does to every connection, and to everything Redis held
+        server.wait(10)
+        await until(lambda: not b._subscribed.is_set() and a._publisher is None, "both ends to notice")
+        a.post(b.process, f"specific.{b.process}!x", {"n": 2})  # lost: at most once, like the layer
+        server = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
+        await b.ready()
+        await until(lambda: a._publisher is not None, "the publisher to reconnect")
+        a.post(b.process, f"specific.{b.process}!x", {"n": 3})
+        await until(lambda: got == [1, 3], "a message after the restart")
+    finally:
+        await a.close()
+        await b.close()
+        server.kill()
+        server.wait(10)
+
+
+def _answers(port: int) -> bool:
+    import socket
+
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
