@@ -15,6 +15,7 @@ Advisory locks belong to one database, so stacks on other databases of the same 
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
@@ -73,9 +74,11 @@ class Presence:
                 if self.leading:
                     log.info("process %s (pid %d) now runs the session sweep", self.key, os.getpid())
                 return self.leading
-            except Exception:
-                log.exception("lost the presence connection")
+            except Exception as exc:
+                log.warning("lost the presence connection (%s); taking the presence lock again", exc)
                 self._drop()
+                with contextlib.suppress(Exception):  # the database restarted: be present again at once
+                    self._connected()
                 return False
 
     def close(self) -> None:

@@ -21,7 +21,7 @@ The channel layer carries messages between processes; relay.send keeps local one
 from __future__ import annotations
 
 import logging
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 from django.conf import settings
@@ -30,6 +30,7 @@ from django.db import connection, transaction
 from django.db.models import F
 from django.utils import timezone
 
+from potocolom.database import server_started_at, silence_cutoff, up_for_less_than
 from realtime import admission
 from realtime import services as common
 from realtime.admission import Placement, QueuedSession, SlotKey
@@ -52,8 +53,16 @@ def enabled() -> bool:
 # --- workers and their slots ---------------------------------------------------------------------
 
 def worker_window(now: datetime) -> datetime:
-    """A worker seen before this is dead (3 silent heartbeat periods, noticed within 4)."""
-    return now - timedelta(seconds=4 * settings.WORKER_HEARTBEAT_SECONDS)
+    """A worker seen before this is dead (3 silent heartbeat periods, noticed within 4), counted
+    while the database could hear it: just after a restart of PostgreSQL, no one is."""
+    return silence_cutoff(now, 4 * settings.WORKER_HEARTBEAT_SECONDS)
+
+
+def presence_grace() -> float:
+    """Seconds after a PostgreSQL restart during which no process counts as dead for lacking its
+    presence lock: the restart took every process's lock, and each takes it again at its next
+    sweep tick (every SESSION_SWEEP_SECONDS) or browser join."""
+    return 2 * settings.SESSION_SWEEP_SECONDS
 
 
 def capacities(now: datetime) -> tuple[dict[SlotKey, int], dict[str, str]]:
@@ -158,6 +167,8 @@ def close_orphans(sessions: Any) -> list[tuple[str | None, str]]:
     """Close the open sessions (of the queryset `sessions`) whose process is gone; the (worker,
     session) pairs that held a slot, whose workers must get session_end after the commit."""
     now = timezone.now()
+    if up_for_less_than(now, presence_grace(), server_started_at()):
+        return []  # the processes are taking their presence locks back after a restart of the database
     alive = alive_processes()
     ended = []
     for session_id, state, worker_id in sessions.filter(state__in=OPEN_STATES).exclude(

@@ -369,9 +369,11 @@ def sweep_orphans() -> None:
     current = dispatcher()
     expired = current.expired_orphans(now=time.monotonic())
     if current.shared:
+        from potocolom.database import silence_cutoff
         from workers.models import Worker
 
-        window = datetime.fromtimestamp(time.time() - 4 * settings.WORKER_HEARTBEAT_SECONDS, UTC)
+        # silent for the window while the database could hear it (a restart of it is no one's death)
+        window = silence_cutoff(datetime.fromtimestamp(time.time(), UTC), 4 * settings.WORKER_HEARTBEAT_SECONDS)
         alive = set(Worker.objects.filter(worker_id__in=list(expired), last_seen__gte=window)
                     .values_list("worker_id", flat=True))
         expired = {worker_id: held for worker_id, held in expired.items() if worker_id not in alive}
