@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
 
 SlotKey = tuple[str, str]  # (worker_id, model_id)
 
@@ -36,6 +38,30 @@ def queue_order(queued: Iterable[QueuedSession]) -> list[QueuedSession]:
 def positions(queued: Iterable[QueuedSession]) -> dict[str, int]:
     """1-based place of each queued session among all queued sessions."""
     return {s.session_id: n for n, s in enumerate(queue_order(queued), start=1)}
+
+
+@dataclass(frozen=True)
+class GoneSession:
+    """A session closed because the API process holding its browser socket died (several API
+    processes): the browser's reconnect may take its place."""
+
+    session_id: str
+    account_id: int
+    model_id: str
+    params: Mapping[str, Any] = field(hash=False)  # width, height, steps of the socket's query
+    joined_at: datetime  # its place: the time it first joined
+    gone_at: datetime  # when its process was found gone
+    resumed: bool = False  # its place went to a reconnect already
+
+
+def place_to_resume(gone: Iterable[GoneSession], *, account_id: int, model_id: str, params: Mapping[str, Any],
+                    now: datetime, window: timedelta) -> GoneSession | None:
+    """The gone session whose place a join of `account_id` for `model_id` with `params` takes: one of
+    the same account, model and params, found gone at most `window` before `now`, whose place no
+    reconnect took yet; the first joined of those (each reconnect takes one place, oldest first)."""
+    fits = [g for g in gone if g.account_id == account_id and g.model_id == model_id
+            and dict(g.params) == dict(params) and not g.resumed and now - g.gone_at <= window]
+    return min(fits, key=lambda g: (g.joined_at, g.session_id), default=None)
 
 
 def model_slots(*, realtime: bool, frame_ms_p95: float | None, realtime_slots: int,

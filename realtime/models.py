@@ -40,6 +40,10 @@ class RealtimeSession(models.Model):
     refused_by = models.JSONField(default=list, blank=True)
     told_position = models.IntegerField(null=True, blank=True)
     placements = models.IntegerField(default=0)
+    # A session closed because its process died: when that was found, and the session of the
+    # browser's reconnect that took its place (so that no second reconnect takes it too).
+    orphaned_at = models.DateTimeField(null=True, blank=True)
+    resumed_by = models.UUIDField(null=True, blank=True)
 
     class Meta:
         ordering = ["joined_at", "id"]

@@ -17,11 +17,15 @@ worker's channel (with the browser's channel, for frame_result routing) and the 
 browsers. The process holding a browser socket keeps the rest (the newest pending frame, the live
 worker's channel, idleness) in its own board, told by `session.live` and `session.back` events.
 The channel layer carries messages between processes; relay.send keeps local ones in memory.
+
+When a process dies, its sessions close (at their account's next join, or by the sweep), and each
+browser's reconnect to another process takes back the place of its session (`place_to_resume`).
 """
 from __future__ import annotations
 
 import logging
-from datetime import datetime
+import uuid
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
@@ -144,28 +148,63 @@ def admit() -> list[Placement]:
 
 def join(*, account: User, model_id: str, params: dict[str, int], channel_name: str) -> RealtimeSession:
     """Open a session in the global queue unless the account holds ACCOUNT_SESSION_LIMIT open
-    sessions on any process. Sessions whose process died first close (their sockets are gone)."""
+    sessions on any process. Sessions whose process died first close (their sockets are gone); a
+    browser coming back from one of them takes its place (`resume_place`)."""
     key = get_presence().ensure()
     now = timezone.now()
+    session_id = uuid.uuid4()
     with transaction.atomic():
         User.objects.select_for_update().filter(pk=account.pk).values_list("pk", flat=True).first()
         orphans = close_orphans(RealtimeSession.objects.filter(account=account))
         held = RealtimeSession.objects.filter(account=account, state__in=OPEN_STATES).count()
         if held >= settings.ACCOUNT_SESSION_LIMIT:
             raise SessionLimitReached(f"the account already holds {held} sessions")
-        session = RealtimeSession.objects.create(account=account, model_id=model_id, params=params, joined_at=now,
-                                                 channel_name=channel_name, api_process=key)
-    for worker_id, session_id in orphans:
-        end_on_worker(worker_id, session_id)
-    common.board().add(SessionEntry(str(session.id), account.pk, model_id, common.to_microseconds(now),
+        joined = resume_place(account=account, model_id=model_id, params=params, session_id=session_id,
+                              now=now) or now
+        session = RealtimeSession.objects.create(id=session_id, account=account, model_id=model_id, params=params,
+                                                 joined_at=joined, channel_name=channel_name, api_process=key)
+    for worker_id, ended_id in orphans:
+        end_on_worker(worker_id, ended_id)
+    common.board().add(SessionEntry(str(session.id), account.pk, model_id, common.to_microseconds(joined),
                                     channel_name, params))
     admit()
     return session
 
 
-def close_orphans(sessions: Any) -> list[tuple[str | None, str]]:
-    """Close the open sessions (of the queryset `sessions`) whose process is gone; the (worker,
-    session) pairs that held a slot, whose workers must get session_end after the commit."""
+def resume_window() -> timedelta:
+    """How long after its process was found gone a session keeps its place for its browser: the
+    contract's dead-worker window (4 heartbeat periods), which a worker whose API process died also
+    gets to come back and keep its jobs (scheduling.services)."""
+    return timedelta(seconds=4 * settings.WORKER_HEARTBEAT_SECONDS)
+
+
+def resume_place(*, account: User, model_id: str, params: dict[str, int], session_id: uuid.UUID,
+                 now: datetime) -> datetime | None:
+    """Inside the join's transaction (the account's row locked): the place (first join time) that
+    the new session `session_id` takes from a session of the account that died with its process
+    (the pure rule, admission.place_to_resume), which is marked resumed by it; None when there is
+    none."""
+    window = resume_window()
+    gone = [admission.GoneSession(str(sid), account.pk, model, dict(old or {}), joined, orphaned)
+            for sid, model, old, joined, orphaned in RealtimeSession.objects.filter(
+                account=account, model_id=model_id, state=SessionState.CLOSED, resumed_by__isnull=True,
+                orphaned_at__gte=now - window).values_list("id", "model_id", "params", "joined_at", "orphaned_at")
+            if orphaned is not None]
+    while (chosen := admission.place_to_resume(gone, account_id=account.pk, model_id=model_id, params=params,
+                                               now=now, window=window)) is not None:
+        if RealtimeSession.objects.filter(id=chosen.session_id, resumed_by__isnull=True).update(
+                resumed_by=session_id) == 1:
+            log.info("session %s takes the place of session %s, whose API process died", session_id,
+                     chosen.session_id)
+            return chosen.joined_at
+        gone = [g for g in gone if g.session_id != chosen.session_id]
+    return None
+
+
+def close_orphans(sessions: Any, *, resumable: bool = True) -> list[tuple[str | None, str]]:
+    """Close the open sessions (of the queryset `sessions`) whose process is gone, noting when (their
+    browsers' reconnects may take their places, unless not `resumable`); the (worker, session) pairs
+    that held a slot, whose workers must get session_end after the commit."""
     now = timezone.now()
     if up_for_less_than(now, presence_grace(), server_started_at()):
         return []  # the processes are taking their presence locks back after a restart of the database
@@ -173,6 +212,8 @@ def close_orphans(sessions: Any) -> list[tuple[str | None, str]]:
     ended = []
     for session_id, state, worker_id in sessions.filter(state__in=OPEN_STATES).exclude(
             api_process__in=alive).values_list("id", "state", "worker_id"):
+        if resumable:
+            RealtimeSession.objects.filter(id=session_id, state__in=OPEN_STATES).update(orphaned_at=now)
         common.close_row(str(session_id), now)
         if state in HOLDING_STATES:
             ended.append((worker_id, str(session_id)))
@@ -204,7 +245,7 @@ def end(*, session_id: str) -> bool:
         send_to_channel(row[0], {"type": "session.end"})
         return True
     with transaction.atomic():
-        ended = close_orphans(RealtimeSession.objects.filter(id=session_id))
+        ended = close_orphans(RealtimeSession.objects.filter(id=session_id), resumable=False)
         common.close_row(session_id, timezone.now())
     for worker_id, sid in ended:
         end_on_worker(worker_id, sid)

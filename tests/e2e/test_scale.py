@@ -511,17 +511,18 @@ def test_the_sweep_runs_in_one_process_and_moves_to_the_other_when_it_dies(live_
         (holder,) = sweep_holders(stack)
         assert holder in pids.values()
         survivor_port = next(port for port, pid in pids.items() if pid != holder)
+        dead_place = 1 + next(n for n, pid in enumerate(pids.values()) if pid == holder)
         log = daphne_of(stack, survivor_port).log_path
 
         stack.kill(next(p for p in stack.processes if p.proc is not None and p.proc.pid == holder))
         wait_until(lambda: sweep_holders(stack) == [pids[survivor_port]], "the other process to take the sweep")
         assert "now runs the session sweep" in log.read_text()
 
-        # The dead process's browser reconnects to the survivor as a new session: the account
-        # limit does not count the session of a socket that died with its process.
+        # The dead process's browser reconnects to the survivor: the account limit does not count
+        # the session of a socket that died with its process, and the new session takes its place.
         again = await open_session(survivor_port, accounts["alice"])
         assert await next_of(again, {"type": "state"}, WAIT_S) == {"type": "state", "state": "queued",
-                                                                    "position": 2}
+                                                                    "position": dead_place}
         for ws in sockets + [again]:
             await ws.close()
 
@@ -553,3 +554,81 @@ def test_killing_a_process_loses_no_session_its_worker_moves_and_the_session_goe
 
     asyncio.run(scenario())
     assert [s["session_id"] for s in worker.starts][0] == worker.starts[1]["session_id"], "the same session resumed"
+
+
+@shared_sessions
+def test_a_browser_whose_process_died_reconnects_to_the_other_and_gets_its_place_back(live_scaled) -> None:
+    stack, accounts, _, _ = live_scaled  # no worker: every session waits in the queue
+
+    async def scenario() -> None:
+        first = await open_session(stack.port, accounts["alice"])
+        assert await next_of(first, {"type": "state"}, WAIT_S) == {"type": "state", "state": "queued", "position": 1}
+        second = await open_session(stack.scale_port, accounts["bob"])
+        assert await next_of(second, {"type": "state"}, WAIT_S) == {"type": "state", "state": "queued",
+                                                                     "position": 2}
+        third = await open_session(stack.scale_port, accounts["alice"])
+        assert await next_of(third, {"type": "state"}, WAIT_S) == {"type": "state", "state": "queued", "position": 3}
+
+        stack.kill(daphne_of(stack, stack.port))  # the first browser's process
+        # Its session closes (the sweep finds its process gone): the others move up.
+        assert await next_of(second, {"type": "state"}, WAIT_S) == {"type": "state", "state": "queued",
+                                                                     "position": 1}
+        assert await next_of(third, {"type": "state"}, WAIT_S) == {"type": "state", "state": "queued", "position": 2}
+
+        # Its browser reconnects to the other process, with the same model and params: it takes its
+        # place back (alice's session still open there is not a place to take), and the sessions
+        # that moved up move back down.
+        again = await open_session(stack.scale_port, accounts["alice"])
+        assert await next_of(again, {"type": "state"}, WAIT_S) == {"type": "state", "state": "queued", "position": 1}
+        assert await next_of(second, {"type": "state"}, WAIT_S) == {"type": "state", "state": "queued",
+                                                                     "position": 2}
+        assert await next_of(third, {"type": "state"}, WAIT_S) == {"type": "state", "state": "queued", "position": 3}
+
+        # The place was taken once: another socket of the account joins at the end.
+        await third.close()
+        fourth = await open_session(stack.scale_port, accounts["alice"])
+        assert await next_of(fourth, {"type": "state"}, WAIT_S) == {"type": "state", "state": "queued",
+                                                                     "position": 3}
+        for ws in (again, second, fourth):
+            await ws.close()
+
+    asyncio.run(scenario())
+
+
+@shared_sessions
+def test_a_live_session_whose_browser_process_died_comes_back_first_and_goes_live_again(live_scaled) -> None:
+    stack, accounts, worker_token, workers = live_scaled
+    worker = workers.add(RealtimeWorker([f"ws://127.0.0.1:{stack.scale_port}/ws/worker/?token={worker_token}"],
+                                        "stays:0"))
+    wait_until(lambda: worker.hellos == 1, "the worker's welcome")
+
+    async def scenario() -> None:
+        ws = await open_session(stack.port, accounts["alice"])
+        await next_of(ws, {"type": "state", "state": "live"}, WAIT_S)
+        (gone,) = [s["session_id"] for s in worker.starts]
+        waiting = [await open_session(stack.scale_port, accounts["bob"]) for _ in range(2)]
+        for place, bob in enumerate(waiting, start=1):
+            assert await next_of(bob, {"type": "state"}, WAIT_S) == {"type": "state", "state": "queued",
+                                                                      "position": place}
+
+        stack.kill(daphne_of(stack, stack.port))  # the browser's process; the worker's lives on
+        # The session closes with its process: its worker gets session_end, the slot goes to the next.
+        assert (await next_of(waiting[0], {"type": "state"}, WAIT_S))["state"] == "live"
+        assert await next_of(waiting[1], {"type": "state"}, WAIT_S) == {"type": "state", "state": "queued",
+                                                                         "position": 1}
+        assert gone in worker.ends
+
+        # The browser comes back first in the queue, and is live again at the next free slot.
+        again = await open_session(stack.scale_port, accounts["alice"])
+        assert await next_of(again, {"type": "state"}, WAIT_S) == {"type": "state", "state": "queued", "position": 1}
+        assert await next_of(waiting[1], {"type": "state"}, WAIT_S) == {"type": "state", "state": "queued",
+                                                                         "position": 2}
+        await waiting[0].close()
+        live = await next_of(again, {"type": "state"}, WAIT_S)
+        assert live == {"type": "state", "state": "live", "model_id": LIVE_MODEL, "worker_id": "stays:0"}
+        await again.send(canvas(1))
+        assert (await next_of(again, {"type": "frame"}, WAIT_S))["seq"] == 1
+        for sock in (again, waiting[1]):
+            await sock.close()
+
+    asyncio.run(scenario())

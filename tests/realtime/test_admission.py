@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from realtime.admission import (
+    GoneSession,
     Placement,
     QueuedSession,
     first_fit,
@@ -15,6 +18,7 @@ from realtime.admission import (
     idle_at,
     is_idle,
     model_slots,
+    place_to_resume,
     placement_event_applies,
     positions,
     queue_order,
@@ -86,6 +90,91 @@ def test_it_numbers_positions_among_all_queued_sessions_in_join_order():
     queued = [s("c", "b", 30), s("a", "a", 10), s("b", "a", 20)]
 
     assert positions(queued) == {"a": 1, "b": 2, "c": 3}
+
+
+# --- a place given back to a browser whose API process died -------------------------------------
+
+NOW = datetime(2026, 11, 29, 12, 0, 0, tzinfo=UTC)
+WINDOW = timedelta(seconds=40)
+ALICE, BOB = 1, 2
+SIZE = {"width": 256, "height": 256, "steps": 2}
+
+
+def gone(session_id: str, *, account: int = ALICE, model: str = "a", params: dict | None = None,
+         joined_s: float = 0.0, gone_s: float = -5.0, resumed: bool = False) -> GoneSession:
+    """A session that joined `joined_s` and was found gone `gone_s` seconds from NOW."""
+    return GoneSession(session_id, account, model, SIZE if params is None else params,
+                       NOW + timedelta(seconds=joined_s - 600), NOW + timedelta(seconds=gone_s), resumed)
+
+
+def resumes(candidates: list[GoneSession], *, account: int = ALICE, model: str = "a",
+            params: dict | None = None) -> str | None:
+    chosen = place_to_resume(candidates, account_id=account, model_id=model,
+                             params=SIZE if params is None else params, now=NOW, window=WINDOW)
+    return chosen.session_id if chosen is not None else None
+
+
+@pytest.mark.parametrize("candidates, expected", [
+    ([], None),
+    ([gone("x")], "x"),
+    # only the same account's
+    ([gone("x", account=BOB)], None),
+    ([gone("x", account=BOB, joined_s=1), gone("y", joined_s=2)], "y"),
+    # only the same model's, with the same params
+    ([gone("x", model="b")], None),
+    ([gone("x", params={"width": 512, "height": 256, "steps": 2})], None),
+    ([gone("x", params={})], None),
+    ([gone("x", params={"width": 256, "height": 256})], None),
+    # the one that joined first first; the id breaks an exact tie
+    ([gone("late", joined_s=20), gone("early", joined_s=10)], "early"),
+    ([gone("b", joined_s=10), gone("a", joined_s=10)], "a"),
+    # only within the window from when its process was found gone (its bound included)
+    ([gone("x", gone_s=-40)], "x"),
+    ([gone("x", gone_s=-40.001)], None),
+    ([gone("old", joined_s=1, gone_s=-41), gone("new", joined_s=2, gone_s=-1)], "new"),
+    # a clock of another process a little ahead is no reason to refuse
+    ([gone("x", gone_s=0.5)], "x"),
+    # a place is taken once
+    ([gone("x", resumed=True)], None),
+    ([gone("x", joined_s=1, resumed=True), gone("y", joined_s=2)], "y"),
+])
+def test_a_reconnect_takes_the_place_of_its_accounts_oldest_gone_session_of_the_same_model_and_params(
+        candidates, expected):
+    assert resumes(candidates) == expected
+
+
+def test_it_matches_params_whatever_their_order_and_an_empty_query_only_with_an_empty_query():
+    assert resumes([gone("x", params={"steps": 2, "height": 256, "width": 256})]) == "x"
+    assert resumes([gone("x", params={})], params={}) == "x"
+
+
+def test_two_reconnects_of_an_account_with_two_gone_sessions_take_both_places_oldest_first():
+    candidates = [gone("second", joined_s=20), gone("first", joined_s=10), gone("bobs", account=BOB, joined_s=5)]
+    taken = []
+    while (chosen := resumes(candidates)) is not None:
+        taken.append(chosen)
+        candidates = [replace(g, resumed=True) if g.session_id == chosen else g for g in candidates]
+
+    assert taken == ["first", "second"], "each place once, oldest first; never another account's"
+    assert resumes(candidates, account=BOB) == "bobs"
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.builds(
+    gone, st.sampled_from("uvwxyz"), account=st.sampled_from((ALICE, BOB)), model=st.sampled_from("ab"),
+    params=st.sampled_from((SIZE, {})), joined_s=st.integers(0, 5), gone_s=st.integers(-60, 2),
+    resumed=st.booleans()), max_size=8))
+def test_the_place_taken_is_a_fitting_one_and_no_fitting_one_joined_before_it(candidates):
+    def fits(g: GoneSession) -> bool:
+        return (g.account_id, g.model_id, dict(g.params), g.resumed) == (ALICE, "a", SIZE, False) \
+            and NOW - g.gone_at <= WINDOW
+
+    chosen = place_to_resume(candidates, account_id=ALICE, model_id="a", params=SIZE, now=NOW, window=WINDOW)
+    fitting = [g for g in candidates if fits(g)]
+    assert (chosen is None) == (not fitting)
+    if chosen is not None:
+        assert fits(chosen)
+        assert all((chosen.joined_at, chosen.session_id) <= (g.joined_at, g.session_id) for g in fitting)
 
 
 # --- properties ------------------------------------------------------------------------------------
