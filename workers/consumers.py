@@ -194,6 +194,8 @@ class WorkerConsumer(RelayConsumer):
                     await database_sync_to_async(jobs.worker_seen)(worker_id=self.worker_id)
                     # Groups expire, and a restarted Redis has none: join again every period.
                     await relay.group_membership(self.channel_layer, jobs.WORKERS_GROUP, self.channel_name)
+                    # A wake-up (jobs.available) lost meanwhile costs a queued job one period, not forever.
+                    await dispatch_soon()
                 await database_sync_to_async(jobs.sweep_orphans)()
             except Exception:  # the database or Redis is away this period: the watch goes on
                 log.exception("worker %s: the periodic check failed", self.worker_id or "(no hello)")

@@ -173,6 +173,24 @@ def test_a_job_submitted_to_one_process_reaches_a_worker_connected_to_the_other(
     assert other.get(f"/api/v1/jobs/{job_id}/").json()["worker_id"] == "one:0"
 
 
+def test_a_lost_wake_up_costs_a_job_one_heartbeat_period_not_forever(scaled) -> None:
+    """The process that queued a job it could not place wakes the others through a channel-layer
+    group; a Redis that lost the group (a restart, an expiry) loses the wake-up. Each process looks
+    at the shared queue again every heartbeat period."""
+    import redis
+
+    stack, account, worker_token, workers = scaled
+    worker = workers.add(Worker([f"ws://127.0.0.1:{stack.port}/ws/worker/?token={worker_token}"], "idle:0"))
+    wait_until(lambda: worker.hellos == 1, "the worker's welcome")
+    other = api(stack, stack.scale_port, account)  # a process without workers
+    store = redis.Redis.from_url(os.environ["REDIS_URL"])
+    store.delete("asgi:group:potocolom.workers")  # what a restarted Redis has of the group: nothing
+
+    job_id = submit(other)
+    wait_until(lambda: len(worker.jobs) == 1, "the job, at the worker's next heartbeat period", timeout=10)
+    assert worker.jobs[0]["job_id"] == job_id
+
+
 def test_many_clients_and_workers_on_two_processes_dispatch_every_job_exactly_once_in_order(scaled) -> None:
     stack, account, worker_token, workers = scaled
     ports = [stack.port, stack.scale_port]
