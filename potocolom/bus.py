@@ -229,6 +229,8 @@ class Bus:
         try:
             pairs = json.loads(data)
         except ValueError:
+            pairs = None
+        if not isinstance(pairs, list):  # not from a bus: someone else published on our channel
             log.warning("the process bus dropped a message it could not read")
             return
         for pair in pairs:

@@ -207,3 +207,12 @@ def _answers(port: int) -> bool:
 
     with socket.socket() as sock:
         return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_what_another_publisher_put_on_the_channel_is_dropped_and_the_bus_reads_on():
+    got: list[dict[str, Any]] = []
+    bus = Bus("redis://127.0.0.1:1/0", "me", lambda target, message: got.append(message) is None)
+    for junk in (b"not json", b"42", b'{"a": 1}', b"[1, [2, 3, 4]]"):
+        bus._dispatch(junk)
+    bus._dispatch(b'[["specific.me!a", {"seq": 1}]]')
+    assert got == [{"seq": 1}]
