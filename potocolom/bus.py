@@ -269,9 +269,6 @@ class Bus:
         others posted in this turn of the loop, at its end."""
         self._enqueue(process, json.dumps([target, message]))
 
-    async def publish(self, process: str, target: str, message: dict[str, Any]) -> None:
-        self.post(process, target, message)
-
     def publish_threadsafe(self, process: str, target: str, message: dict[str, Any]) -> None:
         """From a thread other than the bus's loop: queued on that loop, after what is queued there."""
         assert self.loop is not None

@@ -22,10 +22,7 @@ def silent_before(now: datetime, seconds: float, started_at: datetime | None) ->
     """The cutoff of "silent for `seconds`": what was last seen before it has been silent that long
     while the database could have heard it. While the server has been up for less than `seconds`,
     nothing has (the cutoff is the epoch)."""
-    cutoff = now - timedelta(seconds=seconds)
-    if started_at is not None and started_at > cutoff:
-        return EPOCH
-    return cutoff
+    return EPOCH if up_for_less_than(now, seconds, started_at) else now - timedelta(seconds=seconds)
 
 
 def up_for_less_than(now: datetime, seconds: float, started_at: datetime | None) -> bool:

@@ -55,7 +55,7 @@ async def test_a_message_reaches_the_consumer_of_the_other_process_in_order():
     try:
         target = f"specific.{b_process}!consumer"
         for n in range(150):
-            await a.publish(b_process, target, {"type": "session.frame", "seq": n, "image": "x" * 100})
+            a.post(b_process, target, {"type": "session.frame", "seq": n, "image": "x" * 100})
         for n in range(150, 200):  # from a thread (a sync service): on the bus's loop, after the others
             await asyncio.to_thread(a.publish_threadsafe, b_process, target, {"type": "session.frame", "seq": n})
         await asyncio.wait_for(done.wait(), 10)
