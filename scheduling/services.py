@@ -372,8 +372,9 @@ def sweep_orphans() -> None:
         from potocolom.database import silence_cutoff
         from workers.models import Worker
 
-        # silent for the window while the database could hear it (a restart of it is no one's death)
-        window = silence_cutoff(timezone.now(), 4 * settings.WORKER_HEARTBEAT_SECONDS)
+        # silent for the window while the database could hear it (a restart of it is no one's death);
+        # "now" is this module's injected clock, as everywhere the dead-worker rule reads time
+        window = silence_cutoff(datetime.fromtimestamp(time.time(), UTC), 4 * settings.WORKER_HEARTBEAT_SECONDS)
         alive = set(Worker.objects.filter(worker_id__in=list(expired), last_seen__gte=window)
                     .values_list("worker_id", flat=True))
         expired = {worker_id: held for worker_id, held in expired.items() if worker_id not in alive}
