@@ -184,6 +184,8 @@ class FakeWorker:
         """The worker's side goes away (a closed socket); waits for the consumer to finish."""
         if not getattr(self, "_disconnected", False):
             self._disconnected = True
+            if self.communicator.future.cancelled():
+                return  # a receive that timed out has already stopped the consumer
             await self.communicator.disconnect(timeout=5)
 
     # the worker's job messages

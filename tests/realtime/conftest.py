@@ -70,6 +70,8 @@ class Browser:
     async def close(self) -> None:
         if not self.disconnected:
             self.disconnected = True
+            if self.communicator.future.cancelled():
+                return  # a receive that timed out has already stopped the consumer
             await self.communicator.disconnect(timeout=5)
 
 
