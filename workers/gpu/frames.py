@@ -67,7 +67,7 @@ FRAME_BUDGET_MS = 500.0  # PROTOCOL.md's default per-frame p95 budget
 SESSION_STEPS = 2  # a session's steps when session_start names none (and what slots are measured at)
 MEASURE_STRENGTH = 1.0  # every step runs: the heaviest frame of a default session
 BATCH_CAP = 16  # the largest batch measured, so the most slots a model advertises
-MEASURE_REPEATS = 4  # timed calls per batch size (after one warm-up call)
+MEASURE_REPEATS = 4  # timed calls per batch size (after one untimed warm-up call of that size)
 MEASURE_SECONDS = 10.0  # no larger batch size is tried once measuring a model took this long
 JPEG_QUALITY = 85  # frame_result images: JPEG is a fraction of PNG's size for drawings
 GATHER_FRACTION = 0.25  # the gather window: at most this fraction of the last batch's call time...
@@ -161,16 +161,18 @@ class RealtimeCapacity:
 def measure_batches(run_batch: Callable[[int], object], budget_ms: float, *, cap: int = BATCH_CAP,
                     repeats: int = MEASURE_REPEATS, max_seconds: float = MEASURE_SECONDS,
                     clock: Callable[[], float] = time.perf_counter) -> dict[int, list[float]]:
-    """Time run_batch(n) at n = 1, 2, 4, ... up to cap: {n: [ms, ...]}, after one warm-up call.
+    """Time run_batch(n) at n = 1, 2, 4, ... up to cap: {n: [ms, ...]}, each size after one untimed
+    warm-up call of that size (on CUDA a new batch shape's first call picks its kernels: it took
+    6x a warm call on an H200, enough to cost a model most of its slots).
 
     A batch size stops at its first call over budget (its p95 is over then), and no larger size
     is tried after one over budget or once max_seconds have gone by.
     """
     started = clock()
-    run_batch(1)  # warm-up: the first call pays for lazy setup
     measured: dict[int, list[float]] = {}
     for size in batch_sizes(cap):
         samples = measured.setdefault(size, [])
+        run_batch(size)  # warm-up: the first call of each shape pays for lazy setup (kernel choice on CUDA)
         for _ in range(repeats):
             before = clock()
             run_batch(size)
