@@ -17,6 +17,9 @@ model_offload.
 Without CUDA (or with --device cpu) it does what a CPU can: the tiny model on every rung with
 onload_device cpu (peak VRAM "n/a"), the plans, and the demotion path with an injected error
 (labelled as such). --large adds the SD-1.5-sized model on CPU (slow; use a small --size).
+On CUDA it also measures realtime frames per model on full residency: p95 per batched call and
+frames/s at batch 1, 2, 4, ... with the worker's own measure_batches, and the slots that gives
+within a 500 ms budget.
 
     .venv/bin/python bench/gpu_ladder.py                      # H200: about 2 minutes
     .venv/bin/python bench/gpu_ladder.py --device cpu --steps 3
@@ -145,6 +148,42 @@ def run_rows(model: Any, device: str, size: int, steps: int) -> None:
         pipeline.release()
 
 
+def measure_frames(model: Any, device: str, size: int, budget_ms: float) -> None:
+    """Realtime frames on full residency: ms per batched call (p95) and frames/s at batch sizes
+    1, 2, 4, ... (the worker's own measure_batches, as at load), and the slots it would advertise."""
+    from PIL import Image as PILImage
+
+    from workers.gpu.frames import (
+        BATCH_CAP,
+        MEASURE_STRENGTH,
+        SESSION_STEPS,
+        measure_batches,
+        p95,
+        slots_from_measurements,
+    )
+    from workers.gpu.pipelines import DEFAULT_GUIDANCE_SCALE, DiffusersPipeline, FrameRequest
+
+    pipeline = DiffusersPipeline.load(model, device, "full")
+    image = PILImage.new("RGB", (size, size), (128, 128, 128))
+
+    def run_batch(n: int) -> None:  # returns PIL images: the device work is done when it returns
+        pipeline.generate_frames(FrameRequest(
+            prompts=["a quick sketch"] * n, images=[image] * n, seeds=list(range(n)), width=size, height=size,
+            steps=SESSION_STEPS, guidance_scale=DEFAULT_GUIDANCE_SCALE, strength=MEASURE_STRENGTH))
+
+    measured = measure_batches(run_batch, budget_ms, cap=BATCH_CAP, max_seconds=30.0)
+    frame_ms, slots = slots_from_measurements(measured, budget_ms)
+    print(f"\nrealtime frames: {model.model_id} at {size}x{size}, {SESSION_STEPS} steps, full residency "
+          f"(budget {budget_ms:g} ms)")
+    print(f"{'batch':>6}{'p95 ms':>9}{'median ms':>11}{'frames/s':>10}")
+    for n, samples in sorted(measured.items()):
+        if samples:
+            median = statistics.median(samples)
+            print(f"{n:>6}{p95(samples):>9.1f}{median:>11.1f}{n * 1000 / median:>10.1f}")
+    print(f"  frame p95 {frame_ms:.1f} ms at batch 1; {slots} realtime slot(s) within the budget")
+    pipeline.release()
+
+
 def show_plans(footprints: list[Any]) -> None:
     """plan_rungs for the models in load order at budgets where the largest one changes rung."""
     from workers.gpu.ladder import MIB, RUNGS, mib, plan_rungs
@@ -178,10 +217,19 @@ def peak_of(model: Any, device: str, rung: str, params: dict[str, Any]) -> float
         pipeline.release()
 
 
+def cuda_index(device: str) -> int:
+    """The index of "cuda" or "cuda:N" (set_per_process_memory_fraction wants one)."""
+    import torch
+
+    index = torch.device(device).index
+    return torch.cuda.current_device() if index is None else index
+
+
 def demote_once(model: Any, device: str, size: int, steps: int) -> None:
     """One job at a hungry size on full under auto: out of memory, moved down, retried."""
     import torch
 
+    from workers.gpu.footprints import pipeline_footprint
     from workers.gpu.jobs import DenoiseLoop, HeldJob, JobTiming
     from workers.gpu.ladder import mib
     from workers.gpu.pipelines import DiffusersPipeline, InjectedOutOfMemory
@@ -195,11 +243,15 @@ def demote_once(model: Any, device: str, size: int, steps: int) -> None:
         total = torch.cuda.get_device_properties(device).total_memory
         print(f"\nout of memory, for real: {model.model_id} at {size}x{size} peaks at {mib(int(full))} on full, "
               f"{mib(int(offloaded))} on model_offload; capping this process at {mib(int(cap))}")
-        torch.cuda.set_per_process_memory_fraction(cap / total, torch.device(device))
+        torch.cuda.set_per_process_memory_fraction(cap / total, cuda_index(device))
     else:
         fault = InjectedOutOfMemory({model.model_id: 1})
         print(f"\nout of memory (no CUDA here: injected at the pipeline seam): {model.model_id} at {size}x{size}")
     pipeline = DiffusersPipeline.load(model, device, "full", fault=fault)
+    estimate = footprint_at(pipeline_footprint(model.model_id, pipeline.pipe, model.params_schema), pipeline.pipe,
+                            size)
+    print(f"  the ladder's estimate at {size}x{size}: full {mib(estimate.needs('full'))}, "
+          f"model_offload {mib(estimate.needs('model_offload'))}")
     messages: list[dict[str, Any]] = []
     done = threading.Event()
 
@@ -223,7 +275,7 @@ def demote_once(model: Any, device: str, size: int, steps: int) -> None:
     finished = done.wait(600)
     loop.stop()
     if cuda:
-        torch.cuda.set_per_process_memory_fraction(1.0, torch.device(device))
+        torch.cuda.set_per_process_memory_fraction(1.0, cuda_index(device))
     final = messages[-1] if finished and messages else {"type": "timeout"}
     print(f"  job ended: {final['type']} on rung {final.get('rung', timing.rung)}"
           f"{'; error: ' + final['error'] if final.get('error') else ''}; gpu {timing.gpu_ms or 0:.0f} ms")
@@ -280,6 +332,9 @@ def main() -> None:
                                            modules.pipe, size))
             del modules
         show_plans(footprints)
+        if cuda:
+            for model in models:
+                measure_frames(model, device, min(size, 512), 500.0)
         demote_once(models[-1], device, args.oom_size if cuda else size, steps)
 
 
