@@ -178,8 +178,11 @@ class Stack:
         self.processes.remove(process)
 
     def start_worker(self, token: str, models_dir: Path, *options: str) -> Process:
+        """`runworker_gpu` on the CPU, or on STACK_WORKER_DEVICE (`cuda` runs the end-to-end tests'
+        workers on a GPU host)."""
+        device = os.environ.get("STACK_WORKER_DEVICE") or "cpu"
         argv = [sys.executable, "manage.py", "runworker_gpu", "--api", self.worker_ws_url, "--token", token,
-                "--device", "cpu", "--models-dir", str(models_dir), *options]
+                "--device", device, "--models-dir", str(models_dir), *options]
         return self.launch(Process("runworker_gpu", argv, self.env, self.workdir / "worker.log"))
 
     def launch(self, process: Process) -> Process:
