@@ -33,7 +33,6 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -80,15 +79,11 @@ def make_sd15_sized_model(directory: Path, device: str) -> Path:
     return directory / "manifest.json"
 
 
-def footprint_at(footprint: Any, pipe: Any, size: int) -> Any:
-    """The footprint with working memory for `size` x `size` instead of the manifest's largest."""
-    from workers.gpu.ladder import working_bytes
+def footprint_at(model: Any, pipe: Any, size: int) -> Any:
+    """The ladder's footprint for a size x size image instead of the manifest's largest."""
+    from workers.gpu.footprints import pipeline_footprint
 
-    dtype_bytes = next(pipe.unet.parameters()).element_size()
-    working = working_bytes(width=size, height=size, vae_scale_factor=pipe.vae_scale_factor,
-                            unet_channels=pipe.unet.config.block_out_channels,
-                            vae_channels=pipe.vae.config.block_out_channels, dtype_bytes=dtype_bytes)
-    return replace(footprint, working_bytes=working)
+    return pipeline_footprint(model.model_id, pipe, model.params_schema, size=(size, size))
 
 
 class StepClock:
@@ -114,7 +109,6 @@ def run_rows(model: Any, device: str, size: int, steps: int) -> None:
     import numpy as np
     import torch
 
-    from workers.gpu.footprints import pipeline_footprint
     from workers.gpu.ladder import mib
     from workers.gpu.pipelines import DiffusersPipeline, offload_dir_for
 
@@ -128,8 +122,7 @@ def run_rows(model: Any, device: str, size: int, steps: int) -> None:
         offload_dir = offload_dir_for(model.model_id, on_disk)
         pipeline = DiffusersPipeline.load(model, device, rung, offload_dir=offload_dir)
         loaded_s = time.perf_counter() - started
-        estimate = footprint_at(pipeline_footprint(model.model_id, pipeline.pipe, model.params_schema),
-                                pipeline.pipe, size).needs(rung)
+        estimate = footprint_at(model, pipeline.pipe, size).needs(rung)
         pipeline.generate({**params, "steps": 1})  # warm-up: kernels, hooks, pinned buffers
         if cuda:
             torch.cuda.synchronize()
@@ -229,7 +222,6 @@ def demote_once(model: Any, device: str, size: int, steps: int) -> None:
     """One job at a hungry size on full under auto: out of memory, moved down, retried."""
     import torch
 
-    from workers.gpu.footprints import pipeline_footprint
     from workers.gpu.jobs import DenoiseLoop, HeldJob, JobTiming
     from workers.gpu.ladder import mib
     from workers.gpu.pipelines import DiffusersPipeline, InjectedOutOfMemory
@@ -248,8 +240,7 @@ def demote_once(model: Any, device: str, size: int, steps: int) -> None:
         fault = InjectedOutOfMemory({model.model_id: 1})
         print(f"\nout of memory (no CUDA here: injected at the pipeline seam): {model.model_id} at {size}x{size}")
     pipeline = DiffusersPipeline.load(model, device, "full", fault=fault)
-    estimate = footprint_at(pipeline_footprint(model.model_id, pipeline.pipe, model.params_schema), pipeline.pipe,
-                            size)
+    estimate = footprint_at(model, pipeline.pipe, size)
     print(f"  the ladder's estimate at {size}x{size}: full {mib(estimate.needs('full'))}, "
           f"model_offload {mib(estimate.needs('model_offload'))}")
     messages: list[dict[str, Any]] = []
@@ -297,7 +288,6 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
-    from workers.gpu.footprints import pipeline_footprint
     from workers.gpu.models import read_manifest
     from workers.gpu.placement import read_modules
     from workers.gpu.tiny import make_tiny_model
@@ -328,8 +318,7 @@ def main() -> None:
         footprints = []
         for model in models:
             modules = read_modules(model, device)
-            footprints.append(footprint_at(pipeline_footprint(model.model_id, modules.pipe, model.params_schema),
-                                           modules.pipe, size))
+            footprints.append(footprint_at(model, modules.pipe, size))
             del modules
         show_plans(footprints)
         if cuda:

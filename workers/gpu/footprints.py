@@ -10,10 +10,11 @@ group. Working memory is that of the largest image the manifest's params_schema 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from workers.gpu.ladder import ComponentFootprint, Footprint, working_bytes
+from workers.gpu.ladder import WORKING_FLOOR_BYTES, ComponentFootprint, Footprint, working_parts
 
 DEFAULT_IMAGE_SIZE = 512
 
@@ -84,19 +85,27 @@ def default_size(pipe: Any) -> int:
     return int(unet.config.sample_size * pipe.vae_scale_factor)
 
 
-def pipeline_footprint(model_id: str, pipe: Any, schema: Mapping[str, Any]) -> Footprint:
-    """The footprint of a loaded diffusers pipeline (modules still on the CPU, at their run dtype)."""
+def pipeline_footprint(model_id: str, pipe: Any, schema: Mapping[str, Any],
+                       size: tuple[int, int] | None = None) -> Footprint:
+    """The footprint of a loaded diffusers pipeline (modules still on the CPU, at their run dtype),
+    for the largest image its schema allows (or `size`, width and height).
+
+    A pipeline with a UNet and a VAE carries each one's own working memory (offload rungs run them
+    one at a time); any other keeps only the whole model's (see Footprint.transient_bytes)."""
     import torch
 
     modules = {name: c for name, c in pipe.components.items() if isinstance(c, torch.nn.Module)}
-    components = tuple(component_footprint(name, module) for name, module in modules.items())
     dtype_bytes = max((p.element_size() for m in modules.values() for p in m.parameters()), default=4)
-    size = default_size(pipe)
-    width, height = largest_size(schema, "width", size), largest_size(schema, "height", size)
-    working = working_bytes(width=width, height=height, vae_scale_factor=int(getattr(pipe, "vae_scale_factor", 8)),
-                            unet_channels=_channels(modules.get("unet")), vae_channels=_channels(modules.get("vae")),
-                            dtype_bytes=dtype_bytes)
-    return Footprint(model_id=model_id, components=components, working_bytes=working)
+    if size is None:
+        default = default_size(pipe)
+        size = largest_size(schema, "width", default), largest_size(schema, "height", default)
+    unet_channels, vae_channels = _channels(modules.get("unet")), _channels(modules.get("vae"))
+    unet, vae = working_parts(width=size[0], height=size[1], vae_scale_factor=int(getattr(pipe, "vae_scale_factor", 8)),
+                              unet_channels=unet_channels, vae_channels=vae_channels, dtype_bytes=dtype_bytes)
+    own = {"unet": unet, "vae": vae} if unet_channels and vae_channels else {}
+    components = tuple(replace(component_footprint(name, module), working_bytes=own.get(name, 0))
+                       for name, module in modules.items())
+    return Footprint(model_id=model_id, components=components, working_bytes=max(unet, vae) + WORKING_FLOOR_BYTES)
 
 
 def safetensors_bytes(folder: str | Path) -> int:

@@ -21,7 +21,7 @@ Everything here is plain data and arithmetic: no torch, no Django, no clock.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 RUNG_FULL = "full"
@@ -34,7 +34,10 @@ MEMORY_MODES = (MODE_AUTO, *RUNGS)
 MIB = 2**20
 GROUP_RESIDENT_BLOCKS = 2  # under group offload: the block group running and the one prefetched
 CFG_BATCH = 2  # classifier-free guidance runs the UNet on a batch of two (with and without prompt)
-UNET_LIVE_TENSORS = 8  # activations alive at once per UNet level (skips, resnet temporaries)
+# activations alive at once per UNet level (skips, resnet temporaries): on an H200 an SD-1.5-sized
+# UNet's working memory under model offload (peak less its weights) was 177 MiB at 512x512, 12.5 of
+# them over the floor; 20 leaves room for the allocator
+UNET_LIVE_TENSORS = 20
 # full-resolution activations alive at once in a VAE block: on an H200 an SD-1.5-sized model's
 # working memory (peak allocated less weights) was 9.4 of them at 512x512 and 9.5 at 1024x1024;
 # 11 leaves room for the caching allocator's rounding. An estimate under the peak means an
@@ -62,6 +65,7 @@ class ComponentFootprint:
     weights_bytes: int
     top_level_bytes: int = 0
     largest_group_bytes: int = 0
+    working_bytes: int = 0  # its activations while it runs, floor excluded (0: not modelled per component)
 
     @property
     def group_peak_bytes(self) -> int:
@@ -98,14 +102,24 @@ class Footprint:
         return self.weights_bytes if rung == RUNG_FULL else 0
 
     def transient_bytes(self, rung: str) -> int:
-        """Device memory the model takes only while it runs on `rung`."""
+        """Device memory the model takes only while it runs on `rung`.
+
+        Under offload one component is on the device at a time, with its own activations: the VAE
+        decodes after the UNet has left. Where the components carry their own working memory the
+        peak is the largest component's (weights, or group peak, plus its activations) plus the
+        floor; else the model's whole working memory is added to the largest component."""
         if rung == RUNG_FULL:
             return self.working_bytes
         if rung == RUNG_MODEL_OFFLOAD:
-            return self.largest_component_bytes + self.working_bytes
+            return self._one_at_a_time(lambda c: c.weights_bytes)
         if rung == RUNG_GROUP_OFFLOAD:
-            return self.group_peak_bytes + self.working_bytes
+            return self._one_at_a_time(lambda c: c.group_peak_bytes)
         raise ValueError(f"unknown rung {rung!r}")
+
+    def _one_at_a_time(self, on_device: Callable[[ComponentFootprint], int]) -> int:
+        if not any(c.working_bytes for c in self.components):
+            return max((on_device(c) for c in self.components), default=0) + self.working_bytes
+        return max(on_device(c) + c.working_bytes for c in self.components) + WORKING_FLOOR_BYTES
 
     def needs(self, rung: str) -> int:
         """Device memory the model needs on `rung`, alone on the device."""
@@ -221,10 +235,9 @@ def rung_after_oom(rung: str, mode: str) -> str | None:
     return RUNGS[lower] if lower < len(RUNGS) else None
 
 
-def working_bytes(*, width: int, height: int, vae_scale_factor: int, unet_channels: Sequence[int],
-                  vae_channels: Sequence[int], dtype_bytes: int) -> int:
-    """Working memory of one image of width x height: the larger of the UNet's and the VAE's peaks,
-    plus WORKING_FLOOR_BYTES.
+def working_parts(*, width: int, height: int, vae_scale_factor: int, unet_channels: Sequence[int],
+                  vae_channels: Sequence[int], dtype_bytes: int) -> tuple[int, int]:
+    """(UNet's, VAE's) activations for one image of width x height, the floor excluded.
 
     UNet: at each level i (resolution halved i times from the latents) CFG_BATCH x channels[i] x
     latent pixels / 4**i values, UNET_LIVE_TENSORS of them alive at once. VAE: the decoder (and
@@ -236,4 +249,13 @@ def working_bytes(*, width: int, height: int, vae_scale_factor: int, unet_channe
     latent_pixels = image_pixels / max(1, vae_scale_factor) ** 2
     unet = CFG_BATCH * latent_pixels * sum(c / 4**i for i, c in enumerate(unet_channels)) * UNET_LIVE_TENSORS
     vae = image_pixels * max((c / 4**i for i, c in enumerate(vae_channels)), default=0.0) * VAE_LIVE_TENSORS
-    return int(max(unet, vae) * dtype_bytes) + WORKING_FLOOR_BYTES
+    return int(unet * dtype_bytes), int(vae * dtype_bytes)
+
+
+def working_bytes(*, width: int, height: int, vae_scale_factor: int, unet_channels: Sequence[int],
+                  vae_channels: Sequence[int], dtype_bytes: int) -> int:
+    """Working memory of one image of width x height with every component on the device: the
+    larger of the UNet's and the VAE's activations (`working_parts`), plus WORKING_FLOOR_BYTES."""
+    return max(working_parts(width=width, height=height, vae_scale_factor=vae_scale_factor,
+                             unet_channels=unet_channels, vae_channels=vae_channels,
+                             dtype_bytes=dtype_bytes)) + WORKING_FLOOR_BYTES
