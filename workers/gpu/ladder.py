@@ -4,11 +4,14 @@ Rungs, highest first:
 - `full`: the whole pipeline lives on the device. Needs every component's weights plus working
   memory; the only rung that serves realtime sessions.
 - `model_offload` (diffusers' `enable_model_cpu_offload`): one component at a time on the
-  device. Needs the largest component plus working memory; nothing stays resident between calls.
+  device. Needs the largest of (a component's weights plus its own working memory: the VAE
+  decodes after the UNet has left); nothing stays resident between calls.
 - `group_offload` (`enable_group_offload`, block-level groups): one block group at a time, the
-  next one prefetched on a CUDA stream. Needs the component's top-level group plus two block
-  groups plus working memory. The offloaded groups wait in system RAM, or on disk
-  (`offload_to_disk_path`) when RAM is too short to hold them.
+  next one prefetched on a CUDA stream. Needs the largest of (a component's top-level group plus
+  two block groups plus its own working memory). The offloaded groups wait in system RAM, or on
+  disk (`offload_to_disk_path`) when RAM is too short to hold them.
+A model whose components carry no working memory of their own (a pipeline without both a UNet
+and a VAE) adds the whole model's working memory to its largest component instead.
 
 Models are placed one by one in the order the worker loads them, each on the highest rung that
 fits what is free now (MEMORY_MODE `auto`), or only on its pinned rung. Weights that stay on the
