@@ -96,10 +96,6 @@ class Footprint:
     def largest_group_bytes(self) -> int:
         return max((c.largest_group_bytes for c in self.components), default=0)
 
-    @property
-    def group_peak_bytes(self) -> int:
-        return max((c.group_peak_bytes for c in self.components), default=0)
-
     def resident_bytes(self, rung: str) -> int:
         """Device memory the model holds between calls on `rung`."""
         return self.weights_bytes if rung == RUNG_FULL else 0
