@@ -17,6 +17,10 @@ process's time):
 - the subscriber parses what arrives in the protocol's callback and hands each message to its
   consumer's inbox there, without a task in between.
 
+Broadcasts: every process also subscribes to one channel all processes share; what is posted
+there (`broadcast`, a wake-up for every other process) goes to each process's local targets of it
+(a group's members here, see potocolom.relay) and is skipped by the process that sent it.
+
 Order: a process publishes on one connection from its event loop, in the order messages were
 posted (sync senders post onto the loop: `publish_threadsafe`), and Redis delivers one publisher's
 messages to a channel in order. Like the channel layer, delivery is at most once: a message for a
@@ -34,6 +38,7 @@ from urllib.parse import unquote, urlsplit
 
 log = logging.getLogger(__name__)
 CHANNEL_PREFIX = "potocolom.bus."
+EVERYONE = "*"  # the process part of the channel every process subscribes to (no process is named so)
 RECONNECT_SECONDS = 0.5
 MAX_UNSENT_BYTES = 64 * 1024 * 1024  # a Redis that stopped reading: drop rather than grow without end
 
@@ -151,6 +156,7 @@ class Bus:
         self.url, self.process, self.deliver = url, process, deliver
         self.loop: asyncio.AbstractEventLoop | None = None
         self.channel = CHANNEL_PREFIX + process
+        self.everyone = CHANNEL_PREFIX + EVERYONE
         self._publisher: asyncio.Transport | None = None
         self._subscriber: asyncio.Transport | None = None
         self._tasks: list[asyncio.Task] = []
@@ -203,7 +209,7 @@ class Bus:
     # the subscriber
 
     async def _subscribe(self) -> None:
-        await self._keep_connected(self._on_reply, command("SUBSCRIBE", self.channel),
+        await self._keep_connected(self._on_reply, command("SUBSCRIBE", self.channel, self.everyone),
                                    self._subscriber_connected, self._subscriber_lost)
 
     def _subscriber_connected(self, transport: asyncio.Transport) -> None:
@@ -217,19 +223,23 @@ class Bus:
 
     def _on_reply(self, reply: Any) -> None:
         if isinstance(reply, list) and len(reply) == 3 and reply[0] == b"message":
-            self._dispatch(reply[2])
-        elif isinstance(reply, list) and reply[:1] == [b"subscribe"]:
-            self._subscribed.set()
+            self._dispatch(reply[2], broadcast=reply[1] == self.everyone.encode())
+        elif isinstance(reply, list) and reply[:1] == [b"subscribe"] and reply[2:] == [2]:
+            self._subscribed.set()  # both channels
         elif isinstance(reply, RespError):  # a login refused: try again later (and say so)
             log.error("Redis refused the process bus's subscription: %s", reply)
             if self._subscriber is not None:
                 self._subscriber.abort()
 
-    def _dispatch(self, data: bytes) -> None:
+    def _dispatch(self, data: bytes, *, broadcast: bool = False) -> None:
         try:
             pairs = json.loads(data)
         except ValueError:
             pairs = None
+        if broadcast and isinstance(pairs, dict):  # {"from": process, "pairs": [...]}
+            if pairs.get("from") == self.process:
+                return  # our own broadcast: it was meant for the others
+            pairs = pairs.get("pairs")
         if not isinstance(pairs, list):  # not from a bus: someone else published on our channel
             log.warning("the process bus dropped a message it could not read")
             return
@@ -274,6 +284,10 @@ class Bus:
         assert self.loop is not None
         self.loop.call_soon_threadsafe(self._enqueue, process, json.dumps([target, message]))
 
+    def broadcast_threadsafe(self, target: str, message: dict[str, Any]) -> None:
+        """From a thread: to `target` in every other process (one PUBLISH on the shared channel)."""
+        self.publish_threadsafe(EVERYONE, target, message)
+
     def _enqueue(self, process: str, pair: str) -> None:
         if not self._pending:
             asyncio.get_running_loop().call_soon(self._flush)
@@ -291,8 +305,12 @@ class Bus:
                 log.warning("the process bus cannot publish now (Redis away or not reading); messages are lost")
             self._lost += len(pending)
             return
-        publisher.write(b"".join(command("PUBLISH", CHANNEL_PREFIX + process, "[" + ",".join(pairs) + "]")
+        publisher.write(b"".join(command("PUBLISH", CHANNEL_PREFIX + process, self._payload(process, pairs))
                                  for process, pairs in per_process.items()))
+
+    def _payload(self, process: str, pairs: list[str]) -> str:
+        listed = "[" + ",".join(pairs) + "]"
+        return listed if process != EVERYONE else '{"from": ' + json.dumps(self.process) + ', "pairs": ' + listed + "}"
 
     async def close(self) -> None:
         for task in self._tasks:

@@ -7,7 +7,9 @@ frame between a browser and a worker on the same API process skips the channel l
 both ways, and a job submitted over HTTP reaches a local worker without a new event loop per call
 (`async_to_sync` outside an event loop makes one). A channel of another process is reached over
 the process bus (potocolom/bus.py: one Redis PUBLISH) when REDIS_URL is set, through the channel
-layer otherwise; groups always go through the layer.
+layer otherwise. Groups go through the layer, except a notice for a group's members in the other
+processes (`group_send_others_sync`, the job queue's wake-up): one PUBLISH on the bus, which each
+process hands to its own members of the group (joined through `group_membership`).
 
 Order: a consumer handles its messages one at a time, in the order they reached it, whichever way
 they came. Messages from one sender to one channel keep their order because the way they go never
@@ -34,6 +36,8 @@ from potocolom.bus import Bus, process_of
 log = logging.getLogger(__name__)
 
 _inboxes: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[dict[str, Any]]]] = {}
+_members: dict[str, set[str]] = {}  # group -> this process's channels in it (through group_membership)
+GROUP_TARGET = "group:"  # a bus target naming a group: every local member of it
 
 
 def is_local(channel_name: str) -> bool:
@@ -45,7 +49,11 @@ def local_count() -> int:
 
 
 def _deliver_local(channel_name: str, message: dict[str, Any]) -> bool:
-    """Put the message into a local consumer's inbox; False when the channel is not local."""
+    """Put the message into a local consumer's inbox (every local member's, for a `group:` target);
+    False when there is none here."""
+    if channel_name.startswith(GROUP_TARGET):
+        members = list(_members.get(channel_name[len(GROUP_TARGET):], ()))
+        return sum(_deliver_local(member, message) for member in members) > 0
     entry = _inboxes.get(channel_name)
     if entry is None:
         return False
@@ -181,6 +189,8 @@ class RelayConsumer(AsyncWebsocketConsumer):
         finally:
             with contextlib.suppress(KeyError):
                 del _inboxes[self.channel_name]
+            for members in _members.values():
+                members.discard(self.channel_name)
             for feed in feeds:
                 feed.cancel()
             await asyncio.gather(*feeds, return_exceptions=True)
@@ -225,8 +235,27 @@ def group_send_sync(group: str, message: dict[str, Any]) -> None:
                 log.warning("could not send %s to group %s: %s", message.get("type"), group, exc)
 
 
+def group_send_others_sync(group: str, message: dict[str, Any]) -> None:
+    """From sync code: to the group's members in the other processes, a notice (never raised). One
+    PUBLISH on the bus when it runs (this process's own members are left out); without it, the
+    channel layer's group_send (to every member, this process's too)."""
+    bus = _bus
+    if bus is not None and bus.loop is not None and not bus.loop.is_closed():
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # a thread: what this is for
+            bus.broadcast_threadsafe(GROUP_TARGET + group, message)
+            return
+    group_send_sync(group, message)
+
+
 async def group_membership(layer: Any, group: str, channel_name: str, *, join: bool = True) -> bool:
-    """Join (or leave) a channel-layer group, retried once; False (logged) when Redis is away."""
+    """Join (or leave) a channel-layer group, retried once; False (logged) when Redis is away. The
+    membership counts here at once, for notices that come over the bus."""
+    if join:
+        _members.setdefault(group, set()).add(channel_name)
+    elif group in _members:
+        _members[group].discard(channel_name)
     for attempt in (1, 2):
         try:
             if join:

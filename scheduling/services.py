@@ -180,7 +180,7 @@ def dispatch_or_wake(queued: set[str]) -> None:
 def wake_other_processes() -> None:
     """A job is waiting that no worker of this process could take: every process with a worker
     looks at the shared queue again (`jobs.available`, handled by WorkerConsumer)."""
-    relay.group_send_sync(WORKERS_GROUP, {"type": "jobs.available"})
+    relay.group_send_others_sync(WORKERS_GROUP, {"type": "jobs.available"})
 
 
 def _tell_holder(current: Dispatcher, holder: str | None, job_id: str, worker_id: str | None) -> None:

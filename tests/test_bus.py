@@ -66,6 +66,36 @@ async def test_a_message_reaches_the_consumer_of_the_other_process_in_order():
     assert {target for target, _ in got} == {target}
 
 
+@pytest.mark.skipif(not redis_up(), reason=f"no Redis at {REDIS_URL}")
+async def test_a_broadcast_reaches_every_other_process_and_not_its_sender():
+    got: dict[str, list[tuple[str, dict[str, Any]]]] = {"a": [], "b": [], "c": []}
+    both = asyncio.Event()
+
+    def deliver_to(name: str) -> Any:
+        def deliver(target: str, message: dict[str, Any]) -> bool:
+            got[name].append((target, message))
+            if got["b"] and got["c"]:
+                both.set()
+            return True
+        return deliver
+
+    run = uuid.uuid4().hex
+    buses = {name: Bus(REDIS_URL, f"{name}{run}", deliver_to(name)) for name in got}
+    for bus in buses.values():
+        await bus.start()
+    try:
+        await asyncio.to_thread(buses["a"].broadcast_threadsafe, "group:workers", {"type": "jobs.available"})
+        await asyncio.wait_for(both.wait(), 10)
+        # a's own copy would have come back by now, on the same subscription, before this one
+        buses["b"].post(f"a{run}", f"specific.a{run}!x", {"type": "after"})
+        await until(lambda: got["a"], "b's message to a")
+    finally:
+        for bus in buses.values():
+            await bus.close()
+    assert got["b"] == got["c"] == [("group:workers", {"type": "jobs.available"})]
+    assert got["a"] == [(f"specific.a{run}!x", {"type": "after"})], "the sender skips its own broadcast"
+
+
 # --- RESP: the part the bus speaks -------------------------------------------------------------
 
 from potocolom.bus import _INCOMPLETE, RespError, command, parse  # noqa: E402

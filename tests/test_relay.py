@@ -66,3 +66,37 @@ async def test_a_channel_that_is_not_local_goes_through_the_channel_layer():
 
     assert await layer.receive(name) == {"type": "relay.echo", "text": "async"}
     assert await layer.receive(name) == {"type": "relay.echo", "text": "sync"}
+
+
+async def test_a_group_target_reaches_every_local_member_and_none_after_it_left(layer_refuses, db):
+    """What the bus hands over for `group:G` (a notice for G's members in this process)."""
+    layer = get_channel_layer()
+    communicators = [WebsocketCommunicator(Echo.as_asgi(), "/") for _ in range(3)]
+    names = []
+    for communicator in communicators:
+        assert (await communicator.connect())[0]
+        names.append(await communicator.receive_from())
+    for name in names[:2]:
+        assert await relay.group_membership(layer, "notices", name)
+
+    assert relay._deliver_local("group:notices", {"type": "relay.echo", "text": "wake"})
+    assert [await c.receive_from() for c in communicators[:2]] == ["wake", "wake"]
+    assert await communicators[2].receive_nothing(0.05), "not a member"
+
+    await relay.group_membership(layer, "notices", names[0], join=False)
+    await communicators[1].disconnect()  # a consumer that ended is no member either
+    assert not relay._deliver_local("group:notices", {"type": "relay.echo", "text": "again"})
+    assert await communicators[0].receive_nothing(0.05)
+    for communicator in (communicators[0], communicators[2]):
+        await communicator.disconnect()
+
+
+async def test_without_the_bus_a_notice_for_the_others_is_a_group_send_to_every_member(monkeypatch):
+    layer = get_channel_layer()
+    name = await layer.new_channel()
+    await layer.group_add("others", name)
+    monkeypatch.setattr(relay, "_bus", None)
+
+    await asyncio.to_thread(relay.group_send_others_sync, "others", {"type": "jobs.available"})
+
+    assert await layer.receive(name) == {"type": "jobs.available"}

@@ -173,22 +173,38 @@ def test_a_job_submitted_to_one_process_reaches_a_worker_connected_to_the_other(
     assert other.get(f"/api/v1/jobs/{job_id}/").json()["worker_id"] == "one:0"
 
 
-def test_a_lost_wake_up_costs_a_job_one_heartbeat_period_not_forever(scaled) -> None:
-    """The process that queued a job it could not place wakes the others through a channel-layer
-    group; a Redis that lost the group (a restart, an expiry) loses the wake-up. Each process looks
-    at the shared queue again every heartbeat period."""
+def test_a_lost_wake_up_costs_a_job_one_heartbeat_period_not_forever(tmp_path: Path) -> None:
+    """The process that queued a job it could not place wakes the others with one PUBLISH on the
+    process bus (the channel-layer group without it); a Redis that loses it (a restart, a
+    connection being re-made) loses the wake-up. Each process looks at the shared queue again every
+    heartbeat period. On a Redis of the test's own, PUBLISH is refused and the group deleted, so
+    no wake-up arrives at all."""
     import redis
 
-    stack, account, worker_token, workers = scaled
-    worker = workers.add(Worker([f"ws://127.0.0.1:{stack.port}/ws/worker/?token={worker_token}"], "idle:0"))
-    wait_until(lambda: worker.hellos == 1, "the worker's welcome")
-    other = api(stack, stack.scale_port, account)  # a process without workers
-    store = redis.Redis.from_url(os.environ["REDIS_URL"])
-    store.delete("asgi:group:potocolom.workers")  # what a restarted Redis has of the group: nothing
+    redis_server = PrivateRedis(tmp_path)
+    redis_server.start()
+    try:
+        with Stack(workdir=tmp_path, WORKER_HEARTBEAT_SECONDS="1") as stack:
+            stack.env["REDIS_URL"] = redis_server.url
+            account, worker_token = stack.prepare()
+            stack.register(fake_manifest(MODEL))
+            stack.start_api()
+            stack.start_api(port=stack.scale_port)
+            with running_workers() as workers:
+                worker = workers.add(Worker([f"ws://127.0.0.1:{stack.port}/ws/worker/?token={worker_token}"],
+                                            "idle:0"))
+                wait_until(lambda: worker.hellos == 1, "the worker's welcome")
+                other = api(stack, stack.scale_port, account)  # a process without workers
+                store = redis.Redis.from_url(redis_server.url)
+                store.execute_command("ACL", "SETUSER", "default", "-publish")  # the bus's wake-up is lost
+                store.delete("asgi:group:potocolom.workers")  # and so is the layer's: what a restart leaves
 
-    job_id = submit(other)
-    wait_until(lambda: len(worker.jobs) == 1, "the job, at the worker's next heartbeat period", timeout=10)
-    assert worker.jobs[0]["job_id"] == job_id
+                job_id = submit(other)
+                wait_until(lambda: len(worker.jobs) == 1, "the job, at the worker's next heartbeat period",
+                           timeout=10)
+                assert worker.jobs[0]["job_id"] == job_id
+    finally:
+        redis_server.kill()
 
 
 def test_many_clients_and_workers_on_two_processes_dispatch_every_job_exactly_once_in_order(scaled) -> None:
