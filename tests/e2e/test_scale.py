@@ -181,30 +181,17 @@ def test_a_lost_wake_up_costs_a_job_one_heartbeat_period_not_forever(tmp_path: P
     no wake-up arrives at all."""
     import redis
 
-    redis_server = PrivateRedis(tmp_path)
-    redis_server.start()
-    try:
-        with Stack(workdir=tmp_path, WORKER_HEARTBEAT_SECONDS="1") as stack:
-            stack.env["REDIS_URL"] = redis_server.url
-            account, worker_token = stack.prepare()
-            stack.register(fake_manifest(MODEL))
-            stack.start_api()
-            stack.start_api(port=stack.scale_port)
-            with running_workers() as workers:
-                worker = workers.add(Worker([f"ws://127.0.0.1:{stack.port}/ws/worker/?token={worker_token}"],
-                                            "idle:0"))
-                wait_until(lambda: worker.hellos == 1, "the worker's welcome")
-                other = api(stack, stack.scale_port, account)  # a process without workers
-                store = redis.Redis.from_url(redis_server.url)
-                store.execute_command("ACL", "SETUSER", "default", "-publish")  # the bus's wake-up is lost
-                store.delete("asgi:group:potocolom.workers")  # and so is the layer's: what a restart leaves
+    with scaled_on_private_redis(tmp_path) as (redis_server, stack, account, worker_token, workers):
+        worker = workers.add(Worker([f"ws://127.0.0.1:{stack.port}/ws/worker/?token={worker_token}"], "idle:0"))
+        wait_until(lambda: worker.hellos == 1, "the worker's welcome")
+        other = api(stack, stack.scale_port, account)  # a process without workers
+        store = redis.Redis.from_url(redis_server.url)
+        store.execute_command("ACL", "SETUSER", "default", "-publish")  # the bus's wake-up is lost
+        store.delete("asgi:group:potocolom.workers")  # and so is the layer's: what a restart leaves
 
-                job_id = submit(other)
-                wait_until(lambda: len(worker.jobs) == 1, "the job, at the worker's next heartbeat period",
-                           timeout=10)
-                assert worker.jobs[0]["job_id"] == job_id
-    finally:
-        redis_server.kill()
+        job_id = submit(other)
+        wait_until(lambda: len(worker.jobs) == 1, "the job, at the worker's next heartbeat period", timeout=10)
+        assert worker.jobs[0]["job_id"] == job_id
 
 
 def test_many_clients_and_workers_on_two_processes_dispatch_every_job_exactly_once_in_order(scaled) -> None:
@@ -328,9 +315,10 @@ class PrivateRedis:
             self.proc.wait(10)
 
 
-@pytest.mark.skipif(not os.environ.get("DATABASE_URL", "").startswith("postgres"),
-                    reason="the queue is rebuilt from PostgreSQL")
-def test_a_redis_restart_loses_no_job_and_both_processes_carry_on(tmp_path: Path) -> None:
+@contextlib.contextmanager
+def scaled_on_private_redis(tmp_path: Path) -> Iterator[tuple[PrivateRedis, Stack, str, str, Workers]]:
+    """Two API processes on a Redis of the test's own, which the test may kill or restrict;
+    (redis, stack, account token, worker token, workers)."""
     redis_server = PrivateRedis(tmp_path)
     redis_server.start()
     try:
@@ -341,25 +329,32 @@ def test_a_redis_restart_loses_no_job_and_both_processes_carry_on(tmp_path: Path
             stack.start_api()
             stack.start_api(port=stack.scale_port)
             with running_workers() as workers:
-                client = api(stack, stack.scale_port, account)
-                ids = [submit(client, priority=p) for p in (0, 1, 0)]
-
-                redis_server.kill()  # kill -9: everything in it is gone, every connection to it drops
-                redis_server.start()
-
-                worker = workers.add(Worker([f"ws://127.0.0.1:{stack.port}/ws/worker/?token={worker_token}"],
-                                            "after-restart:0"))
-                wait_until(lambda: len(worker.jobs) == 3, "the queued jobs, rebuilt from the database")
-                assert [m["job_id"] for m in worker.jobs] == [ids[1], ids[0], ids[2]]
-                # The other process still hands its jobs over through the restarted Redis.
-                later = submit(client)
-                wait_until(lambda: len(worker.jobs) == 4, "a job submitted to the other process")
-                assert worker.jobs[3]["job_id"] == later
-                final = states(client, [*ids, later])
-                assert {j["state"] for j in final.values()} == {"succeeded"}
-                assert {j["attempts"] for j in final.values()} == {1}
+                yield redis_server, stack, account, worker_token, workers
     finally:
         redis_server.kill()
+
+
+@pytest.mark.skipif(not os.environ.get("DATABASE_URL", "").startswith("postgres"),
+                    reason="the queue is rebuilt from PostgreSQL")
+def test_a_redis_restart_loses_no_job_and_both_processes_carry_on(tmp_path: Path) -> None:
+    with scaled_on_private_redis(tmp_path) as (redis_server, stack, account, worker_token, workers):
+        client = api(stack, stack.scale_port, account)
+        ids = [submit(client, priority=p) for p in (0, 1, 0)]
+
+        redis_server.kill()  # kill -9: everything in it is gone, every connection to it drops
+        redis_server.start()
+
+        worker = workers.add(Worker([f"ws://127.0.0.1:{stack.port}/ws/worker/?token={worker_token}"],
+                                    "after-restart:0"))
+        wait_until(lambda: len(worker.jobs) == 3, "the queued jobs, rebuilt from the database")
+        assert [m["job_id"] for m in worker.jobs] == [ids[1], ids[0], ids[2]]
+        # The other process still hands its jobs over through the restarted Redis.
+        later = submit(client)
+        wait_until(lambda: len(worker.jobs) == 4, "a job submitted to the other process")
+        assert worker.jobs[3]["job_id"] == later
+        final = states(client, [*ids, later])
+        assert {j["state"] for j in final.values()} == {"succeeded"}
+        assert {j["attempts"] for j in final.values()} == {1}
 
 
 # --- live sessions on two API processes: one admission ---------------------------------------------
