@@ -77,10 +77,25 @@ def _deliver_local(channel_name: str, message: dict[str, Any]) -> bool:
 _bus: Bus | None = None
 
 
+def _running_bus() -> Bus | None:
+    """This process's bus, while it runs."""
+    bus = _bus
+    return None if bus is None or bus.loop is None or bus.loop.is_closed() else bus
+
+
+def _in_a_thread() -> bool:
+    """No event loop runs in this thread (a sync service's): the bus is reached thread-safely."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return True
+    return False
+
+
 def _bus_target(channel_name: str) -> tuple[Bus, str] | None:
     """The bus and the target's process, when the channel is another process's and the bus runs."""
-    bus = _bus
-    if bus is None or bus.loop is None or bus.loop.is_closed():
+    bus = _running_bus()
+    if bus is None:
         return None
     process = process_of(channel_name)
     if process is None or process == bus.process:
@@ -126,14 +141,9 @@ def send_sync(channel_name: str, message: dict[str, Any]) -> None:
     if _deliver_local(channel_name, message):
         return
     target = _bus_target(channel_name)
-    if target is not None:
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is None:
-            target[0].publish_threadsafe(target[1], channel_name, message)
-            return
+    if target is not None and _in_a_thread():
+        target[0].publish_threadsafe(target[1], channel_name, message)
+        return
     layer = get_channel_layer()
     if layer is not None:
         async_to_sync(layer.send)(channel_name, message)
@@ -239,13 +249,10 @@ def group_send_others_sync(group: str, message: dict[str, Any]) -> None:
     """From sync code: to the group's members in the other processes, a notice (never raised). One
     PUBLISH on the bus when it runs (this process's own members are left out); without it, the
     channel layer's group_send (to every member, this process's too)."""
-    bus = _bus
-    if bus is not None and bus.loop is not None and not bus.loop.is_closed():
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:  # a thread: what this is for
-            bus.broadcast_threadsafe(GROUP_TARGET + group, message)
-            return
+    bus = _running_bus()
+    if bus is not None and _in_a_thread():
+        bus.broadcast_threadsafe(GROUP_TARGET + group, message)
+        return
     group_send_sync(group, message)
 
 
