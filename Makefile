@@ -24,6 +24,7 @@ run: $(VENV)/.installed
 lint: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy potocolom models_registry scheduling realtime workers
+	$(VENV)/bin/lint-imports --no-cache
 
 test: lint
 	$(PY) -m pytest

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import websockets  # noqa: E402
 
-from potocolom.stack import ROOT, TINY_PNG_B64, Stack, fake_manifest  # noqa: E402
+from tests.support.stack import ROOT, TINY_PNG_B64, Stack, fake_manifest  # noqa: E402
 
 MODEL = "bench-model"
 

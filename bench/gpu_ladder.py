@@ -179,7 +179,8 @@ def measure_frames(model: Any, device: str, size: int, budget_ms: float) -> None
 
 def show_plans(footprints: list[Any]) -> None:
     """plan_rungs for the models in load order at budgets where the largest one changes rung."""
-    from workers.gpu.ladder import MIB, RUNGS, mib, plan_rungs
+    from potocolom.protocol.rungs import RUNGS
+    from workers.gpu.ladder import MIB, mib, plan_rungs
 
     print("\nthe ladder's plan (load order " + " then ".join(f.model_id for f in footprints) + ")")
     largest = max(footprints, key=lambda f: f.weights_bytes)
@@ -288,7 +289,7 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
-    from workers.gpu.models import read_manifest
+    from workers.gpu.installed import read_manifest
     from workers.gpu.placement import read_modules
     from workers.gpu.tiny import make_tiny_model
     from workers.gpu.vram import VramBudget

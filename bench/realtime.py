@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import websockets  # noqa: E402
 
-from potocolom.stack import TINY_PNG_B64, BenchWorker, Process, Stack, fake_manifest, next_of  # noqa: E402
+from tests.support.stack import TINY_PNG_B64, BenchWorker, Process, Stack, fake_manifest, next_of  # noqa: E402
 
 MODEL = "bench-live"
 WAIT_S = 120.0

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import psycopg  # noqa: E402
 import websockets  # noqa: E402
 
-from potocolom.stack import Stack, fake_manifest  # noqa: E402
+from tests.support.stack import Stack, fake_manifest  # noqa: E402
 
 MODEL = "bench-model"
 

@@ -1,6 +1,6 @@
 """The shared job queue in Redis (RedisQueues) against the in-process one, 100,000 queued jobs.
 
-Prints, in one run: InProcessQueues.rebuild as the baseline; RedisQueues.rebuild (close the queue,
+Prints, in one run: MemoryQueues.rebuild as the baseline; RedisQueues.rebuild (close the queue,
 stage in chunks, swap in); plain pipelined ZADD + HSET of the same rows (what naive chunked writes
 cost); then pushes, and pops by 1 and by 8 processes (threads with their own clients) per second.
 Goal: a rebuild of 100,000 jobs well under 1 s.
@@ -19,8 +19,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scheduling.jobs import InProcessQueues, QueuedJob  # noqa: E402
-from scheduling.redis_queue import RedisQueues, member_of, redis_client_from_url  # noqa: E402
+from scheduling.policy import QueuedJob
+from scheduling.queues.memory import MemoryQueues  # noqa: E402
+from scheduling.queues.redis import RedisQueues, member_of, redis_client_from_url  # noqa: E402
 
 MODELS = ("model-a", "model-b", "model-c")
 
@@ -83,7 +84,7 @@ def main() -> None:
     client = redis_client_from_url(url)
     queues = RedisQueues(client, prefix)
     try:
-        in_process_s = best_of(3, lambda: InProcessQueues().rebuild(jobs))
+        in_process_s = best_of(3, lambda: MemoryQueues().rebuild(jobs))
         redis_s = best_of(3, lambda: queues.rebuild(jobs))
         naive_s = best_of(3, lambda: naive_writes(url, prefix, jobs))
         queues.rebuild([])
@@ -97,7 +98,7 @@ def main() -> None:
         queues.delete_all()
         client.close()
     print(f"queued jobs:                              {args.jobs}")
-    print(f"baseline InProcessQueues.rebuild:         {in_process_s * 1000:8.0f} ms")
+    print(f"baseline MemoryQueues.rebuild:         {in_process_s * 1000:8.0f} ms")
     print(f"RedisQueues.rebuild (stage + swap):       {redis_s * 1000:8.0f} ms  goal < 1000 ms: "
           f"{'met' if redis_s < 1 else 'NOT met'}")
     print(f"naive pipelined ZADD + HSET, same rows:   {naive_s * 1000:8.0f} ms")

@@ -37,7 +37,7 @@ os.environ.setdefault("REDIS_URL", "redis://127.0.0.1:6379/9")
 import websockets  # noqa: E402
 
 from bench.dispatch import KeepAliveClient  # noqa: E402
-from potocolom.stack import ROOT, TINY_PNG_B64, BenchWorker, Stack, fake_manifest, next_of  # noqa: E402
+from tests.support.stack import ROOT, TINY_PNG_B64, BenchWorker, Stack, fake_manifest, next_of  # noqa: E402
 
 MODEL = "scale-bench"
 

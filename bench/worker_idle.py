@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx  # noqa: E402
 
-from potocolom.stack import Stack  # noqa: E402
+from tests.support.stack import Stack  # noqa: E402
 
 
 async def run_jobs(stack: Stack, account_token: str, worker_token: str, models_dir: Path, jobs: int, steps: int,

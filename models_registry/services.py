@@ -1,4 +1,4 @@
-"""Writes and reads of the model registry."""
+"""Writes of the model registry: manifest files loaded all or nothing."""
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -6,8 +6,17 @@ from pathlib import Path
 
 from django.db import transaction
 
-from models_registry.manifests import Manifest, ManifestError, read_manifest_file
 from models_registry.models import ModelManifest
+from potocolom.protocol.manifests import Manifest, ManifestError, parse_manifest_file
+
+
+def read_manifest_file(path: Path) -> list[Manifest]:
+    """Read and validate one manifest file (ManifestError names the file and the field)."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ManifestError(f"{path}: cannot be read ({exc.strerror})") from None
+    return parse_manifest_file(data, origin=str(path))
 
 
 def manifests_load(*, paths: Iterable[Path]) -> list[Manifest]:
@@ -29,13 +38,3 @@ def manifests_load(*, paths: Iterable[Path]) -> list[Manifest]:
                           "params_schema": manifest.params_schema, "loaded_from": str(path.resolve())},
             )
     return [manifest for manifest, _ in loaded]
-
-
-def registered_manifests() -> list[Manifest]:
-    """Every registered model as plain data, for routing."""
-    return [to_manifest(row) for row in ModelManifest.objects.all()]
-
-
-def to_manifest(row: ModelManifest) -> Manifest:
-    return Manifest(model_id=row.model_id, tier=row.tier, cost=row.cost, capabilities=tuple(row.capabilities),
-                    pipeline=row.pipeline, source=row.source, params_schema=row.params_schema)

@@ -7,18 +7,20 @@ import threading
 
 from django.core.wsgi import get_wsgi_application
 
-from potocolom.http import OneHopWsgi
+from potocolom.web.http import OneHopWsgi
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "potocolom.settings")
-# Django's synchronous handler in one thread hop per request (see potocolom/http.py).
+# Django's synchronous handler in one thread hop per request (see potocolom/web/http.py).
 django_http_app = OneHopWsgi(get_wsgi_application())
 
 from channels.auth import AuthMiddlewareStack  # noqa: E402  (needs Django set up)
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from django.conf import settings  # noqa: E402
+from django.db import connection  # noqa: E402
 from django.urls import path  # noqa: E402
 
 from realtime.consumers import SessionConsumer  # noqa: E402
+from scheduling.dispatcher import dispatcher  # noqa: E402
 from workers.consumers import WorkerConsumer  # noqa: E402
 
 websocket_urls = [
@@ -28,10 +30,6 @@ websocket_urls = [
 
 def rebuild_queue_at_start() -> None:
     """Load the job queue from the database in the background while Daphne starts listening."""
-    from django.db import connection
-
-    from scheduling.services import dispatcher
-
     try:
         dispatcher()
     except Exception:  # the first request retries the load and reports the error there

@@ -1,9 +1,5 @@
-"""Settings for potocolom.
-
-Every setting of the wire contract (../shared/PROTOCOL.md) has its default here and is overridden by
-an environment variable of the same name. Bad values fail loudly at start (ImproperlyConfigured),
-as healthchecks' envint/envbool do.
-"""
+"""Settings: every setting of the contract (docs/protocol.md) has its default here and is
+overridden by an environment variable of the same name; a bad value fails loudly at start."""
 from __future__ import annotations
 
 import os
@@ -12,6 +8,8 @@ from pathlib import Path
 
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
+
+from potocolom.protocol.rungs import MEMORY_MODES
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -69,8 +67,8 @@ SESSION_SWEEP_SECONDS = envfloat("SESSION_SWEEP_SECONDS", 30.0)
 FRAME_BUDGET_MS = envfloat("FRAME_BUDGET_MS", 500.0)
 WORKER_HEARTBEAT_SECONDS = envfloat("WORKER_HEARTBEAT_SECONDS", 10.0)
 MEMORY_MODE = envstr("MEMORY_MODE", "auto")
-if MEMORY_MODE not in ("auto", "full", "model_offload", "group_offload"):
-    raise ImproperlyConfigured(f"MEMORY_MODE must be auto, full, model_offload or group_offload, got {MEMORY_MODE!r}")
+if MEMORY_MODE not in MEMORY_MODES:
+    raise ImproperlyConfigured(f"MEMORY_MODE must be one of {', '.join(MEMORY_MODES)}, got {MEMORY_MODE!r}")
 MODELS_DIR = envstr("MODELS_DIR", str(BASE_DIR / "models"))
 REDIS_URL = envstr("REDIS_URL", None)
 # Where queued jobs wait: "memory" (one API process owns them) or "redis" (shared by every API
@@ -113,7 +111,7 @@ MIDDLEWARE = [
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     # A lost database answers 503 (with Retry-After), not 500, until it is back.
-    "potocolom.middleware.DatabaseUnavailableMiddleware",
+    "potocolom.web.middleware.DatabaseUnavailableMiddleware",
 ]
 
 ROOT_URLCONF = "potocolom.urls"
@@ -157,7 +155,8 @@ if REDIS_URL:
     CHANNEL_LAYERS = {
         "default": {
             "BACKEND": "channels_redis.core.RedisChannelLayer",
-            # redis-py 8 defaults close idle sockets after 5 s and cap the pool at 100 (STACK-NOTES).
+            # redis-py 8's defaults close idle sockets after 5 s (code 1011) and cap the pool at 100
+            # connections (channels_redis issue 422): no socket timeout, a larger pool.
             "CONFIG": {"hosts": [{"address": REDIS_URL, "socket_timeout": None, "max_connections": 1000}],
                        "capacity": 1000, "expiry": 60},
         }
@@ -172,14 +171,14 @@ REST_FRAMEWORK = {
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
     "DEFAULT_PARSER_CLASSES": [
-        "potocolom.parsers.StrictJSONParser",
+        "potocolom.web.parsers.StrictJSONParser",
         "rest_framework.parsers.FormParser",
         "rest_framework.parsers.MultiPartParser",
     ],
     "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.PageNumberPagination",
     "PAGE_SIZE": 50,
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
-    "EXCEPTION_HANDLER": "potocolom.errors.api_exception_handler",
+    "EXCEPTION_HANDLER": "potocolom.web.errors.api_exception_handler",
     "UNAUTHENTICATED_USER": None,
 }
 SPECTACULAR_SETTINGS = {

@@ -13,7 +13,8 @@ from rest_framework.routers import SimpleRouter
 from models_registry.api import ModelListView
 from realtime.api import UsageView
 from realtime.views import drawing_page
-from scheduling.api import JobViewSet, QueuesView
+from scheduling.api import JobViewSet
+from workers.api import QueuesView
 
 router = SimpleRouter(trailing_slash=True)
 router.register("jobs", JobViewSet, basename="job")

@@ -7,8 +7,9 @@ from typing import Any
 from django.contrib import admin, messages
 from django.db.models import QuerySet
 from django.http import HttpRequest
+from django.utils import timezone
 
-from realtime import services
+from realtime import selectors, services
 from realtime.models import RealtimeSession, SessionState, UsageRecord
 
 
@@ -46,17 +47,17 @@ class RealtimeSessionAdmin(admin.ModelAdmin):
     def position(self, session: RealtimeSession) -> int | None:
         if session.state != SessionState.QUEUED:
             return None
-        return services.queue_positions().get(str(session.id))
+        return selectors.queue_positions().get(str(session.id))
 
     @admin.display(description="free slots on its worker")
     def free_slots(self, session: RealtimeSession) -> int | None:
         if not session.worker_id:
             return None
-        return services.slots_free().get((session.worker_id, session.model_id))
+        return selectors.slots_free().get((session.worker_id, session.model_id))
 
     @admin.action(description="End the selected sessions")
     def end_sessions(self, request: HttpRequest, queryset: QuerySet[RealtimeSession]) -> None:
-        ended = sum(1 for session in queryset if services.session_end(session_id=str(session.id)))
+        ended = sum(1 for session in queryset if services.session_end(session_id=str(session.id), now=timezone.now()))
         self.message_user(request, f"ended {ended} session(s)", messages.SUCCESS)
 
     def has_add_permission(self, request: HttpRequest) -> bool:

@@ -10,12 +10,18 @@ from urllib.parse import parse_qs
 
 from channels.db import database_sync_to_async
 from django.conf import settings
+from django.utils import timezone
 
-from potocolom import relay
-from potocolom.relay import RelayConsumer
+from potocolom.protocol import close_codes
+from potocolom.protocol.browser import Error, Frame, image_data_url, parse_browser_message
+from potocolom.protocol.errors import MessageError
+from potocolom.protocol.worker import FrameOrder
+from potocolom.transport import relay
+from potocolom.transport.notify import socket_event
+from potocolom.transport.relay import RelayConsumer
+from potocolom.web.errors import close_code_of
 from realtime import services
-from realtime.errors import CLOSE_MESSAGE_TOO_BIG, NotAuthenticated, SessionError
-from realtime.messages import BrowserMessageError, image_data_url, parse_browser_message
+from realtime.errors import NotAuthenticated, SessionError
 from realtime.sweeper import sweeper_hold, sweeper_release
 
 log = logging.getLogger(__name__)
@@ -36,7 +42,7 @@ class SessionConsumer(RelayConsumer):
     async def connect(self) -> None:
         """Accept, then join the session or close with the code that says why not."""
         await self.accept()
-        self.received: dict[int, float] = {}  # seq -> monotonic time the frame arrived
+        self.received: dict[int, float] = {}  # seq -> monotonic time the frame arrived (for `ms`)
         self.last_sent_seq = -1
         try:
             query = query_of(self.scope)
@@ -46,10 +52,10 @@ class SessionConsumer(RelayConsumer):
                 raise NotAuthenticated()
             model_id, params = await database_sync_to_async(services.session_request)(query=query)
             session = await database_sync_to_async(services.session_join)(
-                account=account, model_id=model_id, params=params, channel_name=self.channel_name)
+                account=account, model_id=model_id, params=params, channel_name=self.channel_name, now=timezone.now())
         except SessionError as exc:
             # A close reason is at most 123 bytes.
-            await self.close(code=exc.close_code, reason=exc.detail.encode()[:120].decode(errors="ignore"))
+            await self.close(code=close_code_of(exc), reason=str(exc.detail).encode()[:120].decode(errors="ignore"))
             return
         self.session_id = str(session.id)
         sweeper_hold()
@@ -63,22 +69,22 @@ class SessionConsumer(RelayConsumer):
         size = len(bytes_data) if bytes_data is not None else len(text_data or "")
         if size > limit or (text_data and size * 4 > limit and len(text_data.encode()) > limit):
             await self.leave()
-            await self.close(code=CLOSE_MESSAGE_TOO_BIG)
+            await self.close(code=close_codes.MESSAGE_TOO_BIG)
             return
         try:
             if bytes_data is not None:
-                raise BrowserMessageError("messages are JSON text")
+                raise MessageError("messages are JSON text")
             frame = parse_browser_message(text_data or "")
-        except BrowserMessageError as exc:
-            await self.send_json({"type": "error", "error": str(exc)})
+        except MessageError as exc:
+            await self.send_json(Error(str(exc)).to_wire())
             return
         self.remember(frame.seq, arrived)
-        message = frame.for_worker(self.session_id)
-        state, worker_channel = services.session_frame(session_id=self.session_id, frame=message, now=arrived)
+        message = FrameOrder(self.session_id, frame.seq, frame.image, frame.params).to_wire()
+        state, worker_channel = services.session_frame(session_id=self.session_id, frame=message, now=timezone.now())
         if worker_channel is not None:
-            await relay.send(worker_channel, {"type": "worker.send", "message": message})
+            await relay.send(worker_channel, socket_event(message))
         elif state == "idle":
-            await database_sync_to_async(services.session_wake)(session_id=self.session_id)
+            await database_sync_to_async(services.session_wake)(session_id=self.session_id, now=timezone.now())
 
     def remember(self, seq: int, arrived: float) -> None:
         self.received[seq] = arrived
@@ -95,17 +101,13 @@ class SessionConsumer(RelayConsumer):
             self.idle_watch.cancel()
         if self.session_id is not None:
             session_id, self.session_id = self.session_id, None
-            sweeper_release()
-            await database_sync_to_async(services.session_close)(session_id=session_id)
+            await database_sync_to_async(services.session_close)(session_id=session_id, now=timezone.now())
+            await sweeper_release()
 
     async def send_json(self, message: dict[str, Any]) -> None:
         await self.send(text_data=json.dumps(message))
 
-    # channel-layer messages from the services
-
-    async def session_send(self, event: dict[str, Any]) -> None:
-        """A state message for the browser."""
-        await self.send_json(event["message"])
+    # events from the services
 
     async def session_live(self, event: dict[str, Any]) -> None:
         """Live on a worker: tell the browser, and watch for idleness from now. (Several API
@@ -115,12 +117,12 @@ class SessionConsumer(RelayConsumer):
             if self.session_id is None:
                 return
             applies, pending = services.session_live_here(session_id=self.session_id, event=event,
-                                                          now=time.monotonic())
+                                                          now=timezone.now())
             if not applies:
                 return
         await self.send_json(event["message"])
         if pending is not None:
-            await relay.send(event["worker_channel"], {"type": "worker.send", "message": pending})
+            await relay.send(event["worker_channel"], socket_event(pending))
         if self.idle_watch is None or self.idle_watch.done():
             self.idle_watch = asyncio.create_task(self.watch_idle())
 
@@ -140,7 +142,7 @@ class SessionConsumer(RelayConsumer):
         for older in [s for s in self.received if s < seq]:
             del self.received[older]
         ms = round((time.monotonic() - arrived) * 1000, 3) if arrived is not None else None
-        await self.send_json({"type": "frame", "seq": seq, "image": image_data_url(event["image"]), "ms": ms})
+        await self.send_json(Frame(seq, image_data_url(event["image"]), ms).to_wire())
 
     async def session_end(self, event: dict[str, Any]) -> None:
         """An operator ended the session."""
@@ -151,7 +153,7 @@ class SessionConsumer(RelayConsumer):
         """Ask the service, at each moment the session could have gone idle, whether it has."""
         while self.session_id is not None:
             wait = await database_sync_to_async(services.session_idle_check)(
-                session_id=self.session_id, now=time.monotonic())
+                session_id=self.session_id, now=timezone.now())
             if wait is None:
                 return
             await asyncio.sleep(wait)

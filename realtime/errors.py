@@ -1,39 +1,34 @@
-"""Why a browser socket is refused, and the close code each answers with (in one place)."""
+"""Why a browser socket is refused (potocolom.web maps each code to its close code)."""
 from __future__ import annotations
 
+from potocolom.protocol.errors import DomainError
 
-class SessionError(Exception):
+
+class SessionError(DomainError):
     """The session cannot be opened."""
 
-    close_code = 4000
-
-    def __init__(self, detail: str | None = None) -> None:
-        self.detail = detail or (self.__doc__ or "").strip()
-        super().__init__(self.detail)
+    code = "bad_query"
 
 
 class BadQuery(SessionError):
     """A query parameter is not valid."""
 
-    close_code = 4000
+    code = "bad_query"
 
 
 class NotAuthenticated(SessionError):
     """Log in, or pass an API token as ?token=."""
 
-    close_code = 4001
+    code = "not_authenticated"
 
 
 class SessionLimitReached(SessionError):
     """The account already holds as many sessions as it may."""
 
-    close_code = 4003
+    code = "session_limit"
 
 
 class NoModelFits(SessionError):
     """No registered model fits the request."""
 
-    close_code = 4004
-
-
-CLOSE_MESSAGE_TOO_BIG = 4009  # a browser message over BROWSER_MESSAGE_MAX_BYTES
+    code = "no_model_fits"

@@ -7,10 +7,9 @@ from typing import Any
 
 from django.contrib.auth.models import User
 
-from realtime import admission, shared
+from realtime.admission import admission
 from realtime.models import UsageRecord
-from realtime.services import board, shared_sessions
-from realtime.state import LIVE, PLACING, QUEUED
+from realtime.policy import SlotKey
 
 
 def usage_of(*, account: User, now: datetime) -> dict[str, Any]:
@@ -26,18 +25,14 @@ def usage_of(*, account: User, now: datetime) -> dict[str, Any]:
 
 def sessions_snapshot() -> dict[str, Any]:
     """Queued sessions in order with positions; per worker its free slots and live sessions."""
-    if shared_sessions():
-        return shared.snapshot()
-    entries, workers, free = board().snapshot()
-    queued = [e for e in entries if e.state == QUEUED]
-    places = admission.positions(e.queued() for e in queued)
-    queue = [{"session_id": e.session_id, "model_id": e.model_id, "position": places[e.session_id],
-              "account_id": e.account_id} for e in sorted(queued, key=lambda e: places[e.session_id])]
-    per_worker = {}
-    for worker in workers:
-        per_worker[worker.worker_id] = {
-            "slots": [{"model_id": model_id, "slots": count, "free": free.get((worker.worker_id, model_id), 0)}
-                      for model_id, count in sorted(worker.slots.items())],
-            "sessions": [{"session_id": e.session_id, "model_id": e.model_id, "state": e.state}
-                         for e in entries if e.worker_id == worker.worker_id and e.state in (PLACING, LIVE)]}
-    return {"sessions": queue, "workers": per_worker}
+    return admission().snapshot()
+
+
+def queue_positions() -> dict[str, int]:
+    """1-based places of the queued sessions (operators)."""
+    return admission().positions()
+
+
+def slots_free() -> dict[SlotKey, int]:
+    """Free slots per (worker, model) (operators)."""
+    return admission().free()

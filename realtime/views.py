@@ -6,16 +6,16 @@ from django.http import HttpRequest, HttpResponse
 from django.shortcuts import render
 
 from models_registry.models import ModelManifest
+from realtime.model_choice import REALTIME_CAPABILITY
 
 SESSION_SOCKET_PATH = "/ws/session/"
-SESSION_CAPABILITY = "img2img"
 
 
 def session_models() -> list[ModelManifest]:
     """The models a drawing session can use, cheapest first (the manifests' own order).
 
     Filtered in Python: SQLite has no JSON `contains` lookup, and the list is short."""
-    return [m for m in ModelManifest.objects.all() if SESSION_CAPABILITY in (m.capabilities or [])]
+    return [m for m in ModelManifest.objects.all() if REALTIME_CAPABILITY in (m.capabilities or [])]
 
 
 @login_required

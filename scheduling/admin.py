@@ -7,9 +7,10 @@ from typing import Any
 from django.contrib import admin, messages
 from django.db.models import QuerySet
 from django.http import HttpRequest
+from django.utils import timezone
 
-from potocolom.errors import JobAlreadyEnded
-from scheduling import services
+from scheduling import selectors, services
+from scheduling.errors import JobAlreadyEnded
 from scheduling.models import Job, JobState
 
 
@@ -42,7 +43,7 @@ class JobAdmin(admin.ModelAdmin):
 
     @admin.display(description="position")
     def position(self, job: Job) -> int | None:
-        return services.dispatcher().position(str(job.id)) if job.state == JobState.QUEUED else None
+        return selectors.position_of(job)
 
     @admin.display(description="progress")
     def progress(self, job: Job) -> str:
@@ -53,7 +54,7 @@ class JobAdmin(admin.ModelAdmin):
         done = 0
         for job in queryset:
             try:
-                services.job_cancel(job=job)
+                services.job_cancel(job=job, now=timezone.now())
                 done += 1
             except JobAlreadyEnded:
                 pass
@@ -61,7 +62,7 @@ class JobAdmin(admin.ModelAdmin):
 
     @admin.action(description="Requeue the selected jobs (failed, cancelled or stuck)")
     def requeue_jobs(self, request: HttpRequest, queryset: QuerySet[Job]) -> None:
-        moved = [services.job_requeue(job=job) for job in queryset]
+        moved = [services.job_requeue(job=job, now=timezone.now()) for job in queryset]
         count = sum(1 for job in moved if job.state != JobState.SUCCEEDED)
         self.message_user(request, f"requeued {count} job(s)", messages.SUCCESS)
 

@@ -8,15 +8,14 @@ from typing import Any
 from django.contrib.auth.models import User
 from django.core.files.storage import default_storage
 from django.http import FileResponse, Http404
+from django.utils import timezone
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action
-from rest_framework.permissions import IsAdminUser
 from rest_framework.request import Request
 from rest_framework.response import Response
-from rest_framework.views import APIView
 
-from potocolom.errors import InvalidRequest
+from potocolom.protocol.errors import InvalidRequest
 from scheduling import selectors, services
 from scheduling.models import Job, JobState
 from scheduling.serializers import JobCreateSerializer, JobSerializer
@@ -68,7 +67,7 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
         """Submit a job. Without model_id the cheapest model that fits tier, capabilities and params runs it."""
         body = JobCreateSerializer(data=request.data)
         body.is_valid(raise_exception=True)
-        job = services.job_submit(account=account_of(request), request=body.to_request())
+        job = services.job_submit(account=account_of(request), request=body.to_request(), now=timezone.now())
         job.refresh_from_db()  # a worker with room may have it already: answer with the state it is in
         self._positions = selectors.positions_of([job])
         return Response(self.get_serializer(job).data, status=status.HTTP_201_CREATED)
@@ -77,7 +76,7 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
     @action(detail=True, methods=["post"])
     def cancel(self, request: Request, pk: str | None = None) -> Response:
         """Cancel a job that has not ended (409 when it has)."""
-        job = services.job_cancel(job=self.get_object())
+        job = services.job_cancel(job=self.get_object(), now=timezone.now())
         return Response(self.get_serializer(job).data)
 
     @extend_schema(responses={(200, "image/png"): bytes})
@@ -90,12 +89,3 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
         name = job.images[int(index)]
         content_type = mimetypes.guess_type(name)[0] or "application/octet-stream"
         return FileResponse(default_storage.open(name, "rb"), content_type=content_type)
-
-
-class QueuesView(APIView):
-    """Staff only: queued jobs per model, queued sessions, and connected workers."""
-
-    permission_classes = [IsAdminUser]
-
-    def get(self, request: Request) -> Response:
-        return Response(selectors.queues_snapshot())

@@ -1,20 +1,28 @@
-"""The in-process owner of the job queue and of what each connected worker holds.
-
-Plain data behind one lock: services call it after their database writes commit, and the
-decisions it applies (`plan_dispatch`, `worker_is_dead`) are the pure functions of jobs.py.
-Nothing else mutates this state. One instance lives in each API process (`get_dispatcher`), built
-from the database on first use, so a restarted API loses no job and dispatches none twice.
-"""
+"""The in-process owner of the job queue and of what each connected worker holds: plain data behind
+one lock, told by the services after their writes commit, applying the pure `plan_dispatch`. One
+lives in each API process (`dispatcher()`), rebuilt from the database on first use."""
 from __future__ import annotations
 
 import hashlib
 import itertools
+import logging
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 
-from scheduling.jobs import Assignment, InProcessQueues, JobQueues, QueuedJob, WorkerCapacity, plan_dispatch
-from scheduling.redis_queue import RecoveringQueues
+from django.conf import settings
+from django.db import connection
+from django.utils import timezone
+
+from scheduling.models import HELD_STATES, Job, JobState
+from scheduling.policy import Assignment, QueuedJob, WorkerCapacity, plan_dispatch
+from scheduling.queues import JobQueues
+from scheduling.queues.memory import MemoryQueues
+from scheduling.queues.redis import RecoveringQueues, RedisQueues, redis_client_from_url
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -31,7 +39,7 @@ class Orphans:
     """Jobs that a worker held when this API process started; it has until `deadline` to say hello."""
 
     held: set[str]
-    deadline: float
+    deadline: datetime
     cancelled: set[str] = field(default_factory=set)  # to tell the worker when it comes back
 
 
@@ -39,7 +47,7 @@ class Dispatcher:
     def __init__(self, *, depth: int, queues: JobQueues | None = None) -> None:
         self.depth = depth
         self.lock = threading.RLock()
-        self.queues: JobQueues = queues if queues is not None else InProcessQueues()
+        self.queues: JobQueues = queues if queues is not None else MemoryQueues()
         self.workers: dict[str, ConnectedWorker] = {}
         self.orphans: dict[str, Orphans] = {}
         self.loaded = False
@@ -47,18 +55,15 @@ class Dispatcher:
 
     @property
     def shared(self) -> bool:
-        """Whether the queue is shared with other API processes (Redis)."""
-        return isinstance(self.queues, RecoveringQueues)
+        """Whether other API processes take jobs from the same queue."""
+        return self.queues.shared
 
-    def load(self, *, queued: Callable[[], Iterable[QueuedJob]], held: dict[str, set[str]], deadline: float) -> None:
-        """Rebuild from the database: queued jobs (`queued()` reads them; a shared queue keeps it to
-        rebuild itself whenever Redis loses it), and jobs held by workers not yet reconnected."""
+    def load(self, *, queued: Callable[[], Iterable[QueuedJob]], held: dict[str, set[str]],
+             deadline: datetime) -> None:
+        """Rebuild from the database: queued jobs (`queued()` reads them), and jobs held by workers
+        not yet reconnected, who have until `deadline` to come back."""
         with self.lock:
-            if isinstance(self.queues, RecoveringQueues):
-                self.queues.load = queued
-                self.queues.rebuild_from_load()
-            else:
-                self.queues.rebuild(queued())
+            self.queues.rebuild_from(queued)
             self.orphans = {worker_id: Orphans(set(jobs), deadline) for worker_id, jobs in held.items() if jobs}
             self.loaded = True
 
@@ -91,7 +96,7 @@ class Dispatcher:
             del self.workers[worker_id]
             return worker.held
 
-    def expired_orphans(self, *, now: float) -> dict[str, set[str]]:
+    def expired_orphans(self, *, now: datetime) -> dict[str, set[str]]:
         """Take the held jobs of workers that did not come back in time."""
         with self.lock:
             gone = {w: o.held for w, o in self.orphans.items() if o.deadline <= now}
@@ -111,6 +116,11 @@ class Dispatcher:
         with self.lock:
             worker = self.workers.get(worker_id or "")
             return worker.channel_name if worker else None
+
+    def held(self) -> dict[str, list[str]]:
+        """The jobs each connected worker holds (operators)."""
+        with self.lock:
+            return {w.worker_id: sorted(w.held) for w in self.workers.values()}
 
     # jobs
 
@@ -160,45 +170,58 @@ class Dispatcher:
         with self.lock:
             return self.queues.position(job_id)
 
-    def held_by(self, worker_id: str) -> set[str]:
-        with self.lock:
-            worker = self.workers.get(worker_id)
-            return set(worker.held) if worker else set()
 
+# --- this process's dispatcher -------------------------------------------------------------------
 
 _instance: Dispatcher | None = None
 _instance_lock = threading.Lock()
 
 
-def get_dispatcher() -> Dispatcher:
-    """This process's dispatcher (not yet loaded: services load it from the database on first use)."""
+def dispatcher() -> Dispatcher:
+    """This process's dispatcher, rebuilt from the database the first time it is needed."""
     global _instance
     with _instance_lock:
         if _instance is None:
-            from django.conf import settings
+            _instance = Dispatcher(depth=settings.JOB_DISPATCH_DEPTH, queues=queues_from_settings())
+        current = _instance
+    if not current.loaded:
+        with current.lock:
+            if not current.loaded:
+                _load(current, now=timezone.now())
+    return current
 
-            _instance = Dispatcher(depth=settings.JOB_DISPATCH_DEPTH, queues=_queues_from_settings())
-        return _instance
+
+def _load(current: Dispatcher, *, now: datetime) -> None:
+    started = time.perf_counter()
+    held: dict[str, set[str]] = {}
+    for job_id, worker_id in Job.objects.filter(state__in=HELD_STATES).values_list("id", "worker_id"):
+        held.setdefault(worker_id or "", set()).add(str(job_id))
+    # A worker that held jobs gets the contract's dead-worker window to reconnect.
+    current.load(queued=queued_rows, held=held, deadline=now + timedelta(seconds=4 * settings.WORKER_HEARTBEAT_SECONDS))
+    log.info("rebuilt the job queue from the database: %d queued, %d held, in %.0f ms", len(current.queues),
+             sum(len(jobs) for jobs in held.values()), (time.perf_counter() - started) * 1000)
 
 
-def _queues_from_settings() -> JobQueues | None:
-    """RedisQueues when JOB_QUEUE is redis (the default with REDIS_URL): one queue for every API
-    process on the same database. Its keys are named after the database, so two deployments (or
-    test databases) on one Redis never share a queue. It cannot load itself until `load`."""
-    from django.conf import settings
-    from django.db import connection
+def queued_rows() -> list[QueuedJob]:
+    """Every queued job's queue key, read in one query (the start-up cost of an API process)."""
+    if connection.vendor == "postgresql":  # skip building UUID objects only to turn them back into text
+        with connection.cursor() as cursor:
+            cursor.execute(f"SELECT id::text, model_id, priority, submitted_us FROM {Job._meta.db_table} "
+                           "WHERE state = %s", [JobState.QUEUED.value])
+            return [QueuedJob._make(row) for row in cursor.fetchall()]
+    rows = Job.objects.filter(state=JobState.QUEUED).values_list("id", "model_id", "priority", "submitted_us")
+    return [QueuedJob(str(job_id), model_id, priority, us) for job_id, model_id, priority, us in rows]
 
+
+def queues_from_settings() -> JobQueues:
+    """The backend JOB_QUEUE names: this process's own (memory), or Redis (the default with
+    REDIS_URL), one queue for every API process on the same database. Its keys are named after the
+    database, so two deployments (or test databases) on one Redis never share a queue."""
     if settings.JOB_QUEUE != "redis":
-        return None
-    from scheduling.redis_queue import RedisQueues, redis_client_from_url
-
+        return MemoryQueues()
     database = f"{connection.vendor}:{connection.settings_dict.get('HOST') or ''}:{connection.settings_dict['NAME']}"
     prefix = f"potocolom:{hashlib.sha1(database.encode()).hexdigest()[:12]}:jobs"
-
-    def not_loaded() -> list[QueuedJob]:
-        raise RuntimeError("the dispatcher was used before it was loaded from the database")
-
-    return RecoveringQueues(RedisQueues(redis_client_from_url(settings.REDIS_URL or ""), prefix), not_loaded)
+    return RecoveringQueues(RedisQueues(redis_client_from_url(settings.REDIS_URL or ""), prefix), queued_rows)
 
 
 def reset_dispatcher() -> None:

@@ -1,4 +1,4 @@
-"""Jobs: the database is the truth; the in-process queue is a cache rebuilt from it."""
+"""Jobs: the database is the truth; the queues are caches rebuilt from it."""
 from __future__ import annotations
 
 import uuid
@@ -18,7 +18,6 @@ class JobState(models.TextChoices):
 
 ACTIVE_STATES = (JobState.QUEUED, JobState.DISPATCHED, JobState.RUNNING)
 HELD_STATES = (JobState.DISPATCHED, JobState.RUNNING)
-FINAL_STATES = (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
 
 
 class Job(models.Model):

@@ -1,4 +1,4 @@
-"""Reads of the job path."""
+"""Reads of the job path: an account's jobs, queue positions, and the queue as operators see it."""
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -7,8 +7,8 @@ from typing import Any
 from django.contrib.auth.models import User
 from django.db.models import QuerySet
 
+from scheduling.dispatcher import dispatcher
 from scheduling.models import Job, JobState
-from scheduling.services import dispatcher
 
 
 def jobs_of(*, account: User, state: str | None = None) -> QuerySet[Job]:
@@ -25,21 +25,13 @@ def positions_of(jobs: Iterable[Job]) -> dict[str, int]:
     return {job_id: position for job_id, position in found.items() if position is not None}
 
 
-def queues_snapshot() -> dict[str, Any]:
-    """What operators see: queued jobs per model, queued sessions in order, and the connected
-    workers with the jobs they hold, their free realtime slots per model and their live sessions."""
-    from realtime.selectors import sessions_snapshot
-    from workers.models import Worker
+def position_of(job: Job) -> int | None:
+    return dispatcher().position(str(job.id)) if job.state == JobState.QUEUED else None
 
+
+def queue_snapshot() -> tuple[list[dict[str, Any]], dict[str, list[str]]]:
+    """Queued jobs per model, and the jobs each worker connected to this process holds."""
     current = dispatcher()
-    with current.lock:
-        counts = current.queues.counts()
-        held = {w.worker_id: sorted(w.held) for w in current.workers.values()}
-    sessions = sessions_snapshot()
-    realtime = sessions["workers"]
-    workers = [{"worker_id": w.worker_id, "gpu": w.gpu, "models": w.served_models, "jobs": held.get(w.worker_id, []),
-                "slots": realtime.get(w.worker_id, {}).get("slots", []),
-                "sessions": realtime.get(w.worker_id, {}).get("sessions", [])}
-               for w in Worker.objects.filter(worker_id__in=list(held.keys() | realtime.keys()))]
-    return {"jobs": [{"model_id": model_id, "queued": count} for model_id, count in sorted(counts.items())],
-            "sessions": sessions["sessions"], "workers": workers}
+    counts = current.queues.counts()
+    return ([{"model_id": model_id, "queued": count} for model_id, count in sorted(counts.items())],
+            current.held())

@@ -9,7 +9,7 @@ from typing import Any
 from django.urls import reverse
 from rest_framework import serializers
 
-from models_registry.manifests import CAPABILITIES, TIERS
+from potocolom.protocol.manifests import CAPABILITIES, TIERS
 from scheduling.models import Job, JobState
 from scheduling.services import JobRequest
 
@@ -100,9 +100,11 @@ class JobSerializer(serializers.ModelSerializer):
     """The job's shape (for the OpenAPI schema); rendering goes through job_payload."""
 
     id = serializers.CharField(read_only=True)
-    position = serializers.SerializerMethodField()
-    images = serializers.SerializerMethodField()
-    progress = serializers.SerializerMethodField()
+    position = serializers.IntegerField(read_only=True, allow_null=True,
+                                        help_text="1-based place among queued jobs of its model; null unless queued")
+    images = serializers.ListField(child=serializers.URLField(), read_only=True, help_text="URLs of its PNG images")
+    progress = ProgressSerializer(read_only=True, allow_null=True,
+                                  help_text="the worker's last job_progress: denoising step `step` of `steps`")
     rung = serializers.CharField(read_only=True, allow_null=True, help_text="the memory rung the result ran on")
 
     class Meta:
@@ -115,18 +117,3 @@ class JobSerializer(serializers.ModelSerializer):
         request = self.context.get("request")
         return job_payload(job, position=self.context.get("positions", {}).get(str(job.id)),
                            image_url=request.build_absolute_uri if request else str)
-
-    def get_position(self, job: Job) -> int | None:
-        positions = self.context.get("positions", {})
-        return positions.get(str(job.id)) if job.state == JobState.QUEUED else None
-
-    def get_images(self, job: Job) -> list[str]:
-        request = self.context.get("request")
-        urls = [reverse("job-image", kwargs={"pk": job.id, "index": n}) for n in range(len(job.images))]
-        return [request.build_absolute_uri(url) for url in urls] if request else urls
-
-    def get_progress(self, job: Job) -> dict[str, int] | None:
-        """The worker's last job_progress: denoising step `step` of `steps`."""
-        if job.progress_steps is None:
-            return None
-        return {"step": job.progress_step or 0, "steps": job.progress_steps}

@@ -1,15 +1,12 @@
-"""Writes of the job path: every state change is a compare-and-set in the database, then the
-in-process dispatcher is told, then messages go out to workers (after the commit).
-
-Services are synchronous; async callers (consumers) run them with database_sync_to_async.
-"""
+"""Writes of the job path: each state change is a compare-and-set in the database, then this
+process's dispatcher is told, then messages go to workers after the commit. Services are
+synchronous (consumers call them through database_sync_to_async) and take the clock as `now=`."""
 from __future__ import annotations
 
 import base64
 import binascii
 import json
 import logging
-import time
 import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -22,19 +19,23 @@ from django.core.files.storage import default_storage
 from django.db import connection, transaction
 from django.db.models import F, Value
 from django.db.models.functions import Coalesce
-from django.utils import timezone
 
-from models_registry.manifests import RoutingError, route
-from models_registry.services import registered_manifests
-from potocolom import errors, relay
-from scheduling.dispatcher import Dispatcher, get_dispatcher
-from scheduling.jobs import Assignment, QueuedJob, retry_decision
+from models_registry.routing import route
+from models_registry.selectors import registered_manifests
+from potocolom.protocol.worker import Cancel, JobOrder
+from potocolom.transport import relay
+from potocolom.transport.notify import to_socket_after_commit
+from scheduling.dispatcher import Dispatcher, dispatcher
+from scheduling.errors import JobAlreadyEnded
 from scheduling.models import ACTIVE_STATES, HELD_STATES, Job, JobState
+from scheduling.policy import Assignment, QueuedJob, retry_decision
+from workers import selectors as worker_rows
 
 log = logging.getLogger(__name__)
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 WORKER_LOST = "worker_lost"
 MAX_IMAGE_BYTES = 12 * 1024 * 1024
+WORKERS_GROUP = "potocolom.workers"  # every worker socket of every API process, when the queue is shared
 
 
 @dataclass(frozen=True)
@@ -52,49 +53,6 @@ def to_microseconds(moment: datetime) -> int:
 
 def queued_job(job: Job) -> QueuedJob:
     return QueuedJob(job_id=str(job.id), model_id=job.model_id, priority=job.priority, submitted_us=job.submitted_us)
-
-
-# --- the dispatcher, loaded from the database on first use ------------------------------------
-
-def dispatcher() -> Dispatcher:
-    """This process's dispatcher, rebuilt from the database the first time it is needed."""
-    current = get_dispatcher()
-    if not current.loaded:
-        with current.lock:
-            if not current.loaded:
-                started = time.perf_counter()
-                held: dict[str, set[str]] = {}
-                for job_id, worker_id in Job.objects.filter(state__in=HELD_STATES).values_list("id", "worker_id"):
-                    held.setdefault(worker_id or "", set()).add(str(job_id))
-                # A worker that held jobs gets the contract's dead-worker window to reconnect.
-                grace = 4 * settings.WORKER_HEARTBEAT_SECONDS
-                current.load(queued=_queued_rows, held=held,
-                             deadline=time.monotonic() + grace)
-                log.info("rebuilt the job queue from the database: %d queued, %d held, in %.0f ms",
-                         len(current.queues), sum(len(jobs) for jobs in held.values()),
-                         (time.perf_counter() - started) * 1000)
-    return current
-
-
-def _queued_rows() -> list[QueuedJob]:
-    """Every queued job's queue key, read in one query (the start-up cost of an API process)."""
-    if connection.vendor == "postgresql":  # skip building UUID objects only to turn them back into text
-        with connection.cursor() as cursor:
-            cursor.execute(f"SELECT id::text, model_id, priority, submitted_us FROM {Job._meta.db_table} "
-                           "WHERE state = %s", [JobState.QUEUED.value])
-            return [QueuedJob._make(row) for row in cursor.fetchall()]
-    rows = Job.objects.filter(state=JobState.QUEUED).values_list("id", "model_id", "priority", "submitted_us")
-    return [QueuedJob(str(job_id), model_id, priority, us) for job_id, model_id, priority, us in rows]
-
-
-def send_to_channel(channel_name: str, message: dict[str, Any]) -> None:
-    """Send a message to one consumer (from sync code, after the commit): in memory when it is in
-    this process, through the channel layer otherwise."""
-    relay.send_sync(channel_name, message)
-
-
-def send_to_worker(channel_name: str, message: dict[str, Any]) -> None:
-    send_to_channel(channel_name, {"type": "worker.send", "message": message})
 
 
 def _claim(*, job_id: str, worker_id: str, now: datetime) -> tuple[int, dict[str, Any]] | None:
@@ -116,71 +74,51 @@ def _claim(*, job_id: str, worker_id: str, now: datetime) -> tuple[int, dict[str
     return row[0], json.loads(params) if isinstance(params, (str, bytes)) else params
 
 
-def dispatch() -> list[Assignment]:
+def jobs_dispatch(*, now: datetime) -> list[Assignment]:
     """Hand queued jobs to workers with room, claiming each in the database first."""
     current = dispatcher()
-    now = timezone.now()
-    sent: list[tuple[str, dict[str, Any]]] = []
 
     def claim(assignment: Assignment) -> bool:
         job = assignment.job
         claimed = _claim(job_id=job.job_id, worker_id=assignment.worker_id, now=now)
-        if claimed is not None:
+        if claimed is None:
+            return False
+        channel = current.channel_of(assignment.worker_id)
+        if channel:
             attempts, params = claimed
-            channel = current.channel_of(assignment.worker_id)
-            if channel:
-                sent.append((channel, {"type": "job", "job_id": job.job_id, "attempt": attempts,
-                                       "model_id": job.model_id, "params": params}))
-        return claimed is not None
+            to_socket_after_commit(channel, JobOrder(job.job_id, attempts, job.model_id, params).to_wire())
+        return True
 
-    assignments = current.plan(claim)
-    for channel, message in sent:
-        send_to_worker(channel, message)
-    return assignments
+    return current.plan(claim)
+
+
+def jobs_dispatch_or_wake(*, queued: set[str], now: datetime) -> None:
+    """Dispatch; with a shared queue, jobs of `queued` that no worker of this process took wake the
+    other processes (from the dispatch's own answer: no queue lookup on the submit path; a job
+    another thread dispatched meanwhile only costs a needless wake-up)."""
+    taken = {assignment.job.job_id for assignment in jobs_dispatch(now=now)}
+    if dispatcher().shared and queued - taken:
+        # every process with a worker looks at the shared queue again (`jobs.available`)
+        relay.group_send_others_sync(WORKERS_GROUP, {"type": "jobs.available"})
 
 
 # --- REST side --------------------------------------------------------------------------------
 
-def job_submit(*, account: User, request: JobRequest) -> Job:
+def job_submit(*, account: User, request: JobRequest, now: datetime) -> Job:
     """Route, persist and queue a job; workers with room get it after the commit."""
-    try:
-        manifest = route(registered_manifests(), model_id=request.model_id, tier=request.tier,
-                         capabilities=request.capabilities, params=request.params)
-    except RoutingError as exc:
-        raise {"unknown_model": errors.UnknownModel, "invalid_params": errors.InvalidParams,
-               "no_matching_model": errors.NoMatchingModel}.get(exc.code, errors.InvalidRequest)(exc.detail) from None
-    now = timezone.now()
+    manifest = route(registered_manifests(), model_id=request.model_id, tier=request.tier,
+                     capabilities=request.capabilities, params=request.params)
     # One INSERT commits on its own (no BEGIN/COMMIT round trips); inside a caller's transaction the
     # job is queued only once that commits.
     job = Job.objects.create(account=account, model_id=manifest.model_id, params=request.params,
                              priority=request.priority, created_at=now, submitted_us=to_microseconds(now))
-    transaction.on_commit(lambda: _queue_and_dispatch(job))
+    transaction.on_commit(lambda: _queue_and_dispatch(job, now=now))
     return job
 
 
-def _queue_and_dispatch(job: Job) -> None:
+def _queue_and_dispatch(job: Job, *, now: datetime) -> None:
     dispatcher().push(queued_job(job))
-    dispatch_or_wake({str(job.id)})
-
-
-# --- several API processes (a shared queue) ----------------------------------------------------
-
-WORKERS_GROUP = "potocolom.workers"  # every worker socket of every API process, when the queue is shared
-
-
-def dispatch_or_wake(queued: set[str]) -> None:
-    """Dispatch; with a shared queue, jobs of `queued` that no worker of this process took wake the
-    other processes (from the dispatch's own answer: no queue lookup on the submit path; a job
-    another thread dispatched meanwhile only costs a needless wake-up)."""
-    taken = {assignment.job.job_id for assignment in dispatch()}
-    if dispatcher().shared and queued - taken:
-        wake_other_processes()
-
-
-def wake_other_processes() -> None:
-    """A job is waiting that no worker of this process could take: every process with a worker
-    looks at the shared queue again (`jobs.available`, handled by WorkerConsumer)."""
-    relay.group_send_others_sync(WORKERS_GROUP, {"type": "jobs.available"})
+    jobs_dispatch_or_wake(queued={str(job.id)}, now=now)
 
 
 def _tell_holder(current: Dispatcher, holder: str | None, job_id: str, worker_id: str | None) -> None:
@@ -188,46 +126,31 @@ def _tell_holder(current: Dispatcher, holder: str | None, job_id: str, worker_id
     wherever it is connected."""
     channel = current.channel_of(holder)
     if channel:
-        send_to_worker(channel, {"type": "cancel", "job_id": job_id})
+        to_socket_after_commit(channel, Cancel(job_id).to_wire())
     elif current.shared and (holder or worker_id):
         # Connected to another API process (or to none): the one holding its socket tells it.
         relay.group_send_sync(WORKERS_GROUP, {"type": "worker.cancel", "worker_id": holder or worker_id,
                                               "job_id": job_id})
 
 
-def job_left_worker(*, worker_id: str, job_id: str) -> None:
-    """Another API process cancelled or requeued a job this process's worker holds: its place frees."""
-    if dispatcher().release(job_id, worker_id=worker_id):
-        dispatch()
-
-
-def worker_seen(*, worker_id: str) -> None:
-    """A worker connected here is alive (every heartbeat period): other processes read this to tell
-    a worker connected elsewhere from one that is gone."""
-    from workers.models import Worker
-
-    Worker.objects.filter(worker_id=worker_id).update(connected=True, last_seen=timezone.now())
-
-
-def job_cancel(*, job: Job) -> Job:
+def job_cancel(*, job: Job, now: datetime) -> Job:
     """Cancel a job that has not ended; a worker holding it gets `cancel`. JobAlreadyEnded otherwise."""
-    now = timezone.now()
     with transaction.atomic():
         cancelled = Job.objects.filter(id=job.id, state__in=ACTIVE_STATES).update(
             state=JobState.CANCELLED, finished_at=now)
     job.refresh_from_db()
     if not cancelled:
-        raise errors.JobAlreadyEnded(f"job {job.id} already ended: {job.state}")
+        raise JobAlreadyEnded(f"job {job.id} already ended: {job.state}")
     current = dispatcher()
     current.remove(str(job.id))
     holder = current.release(str(job.id))
     _tell_holder(current, holder, str(job.id), job.worker_id)
     if holder:
-        dispatch()
+        jobs_dispatch(now=now)
     return job
 
 
-def job_requeue(*, job: Job) -> Job:
+def job_requeue(*, job: Job, now: datetime) -> Job:
     """Operators: put a failed, cancelled or stuck job back in the queue at its old place."""
     worker_id = Job.objects.filter(id=job.id).values_list("worker_id", flat=True).first()
     with transaction.atomic():
@@ -240,23 +163,23 @@ def job_requeue(*, job: Job) -> Job:
         holder = current.release(str(job.id))
         _tell_holder(current, holder, str(job.id), worker_id)
         current.push(queued_job(job))
-        dispatch_or_wake({str(job.id)})
+        jobs_dispatch_or_wake(queued={str(job.id)}, now=now)
     return job
 
 
 # --- worker side ------------------------------------------------------------------------------
 
-def job_started(*, worker_id: str, job_id: str) -> bool:
+def job_started(*, worker_id: str, job_id: str, now: datetime) -> bool:
     return Job.objects.filter(id=job_id, worker_id=worker_id, state=JobState.DISPATCHED).update(
-        state=JobState.RUNNING, started_at=timezone.now()) == 1
+        state=JobState.RUNNING, started_at=now) == 1
 
 
-def job_progress(*, worker_id: str, job_id: str, step: int, steps: int) -> bool:
+def job_progress(*, worker_id: str, job_id: str, step: int, steps: int, now: datetime) -> bool:
     updated = Job.objects.filter(id=job_id, worker_id=worker_id, state__in=HELD_STATES).update(
         progress_step=step, progress_steps=steps)
     # A worker may report progress before job_started arrives; progress means it is running.
     Job.objects.filter(id=job_id, worker_id=worker_id, state=JobState.DISPATCHED).update(
-        state=JobState.RUNNING, started_at=timezone.now())
+        state=JobState.RUNNING, started_at=now)
     return updated == 1
 
 
@@ -279,18 +202,18 @@ def decode_image(value: str) -> tuple[bytes, str]:
     raise ValueError("an image must be a PNG or a JPEG")
 
 
-def job_finish(*, worker_id: str, job_id: str, images: list[str], gpu_ms: float | None, rung: str) -> bool:
+def job_finish(*, worker_id: str, job_id: str, images: list[str], gpu_ms: float | None, rung: str,
+               now: datetime) -> bool:
     """Store a job's images and mark it succeeded; frees the worker's place for the next job. (No
     check before storing: a result for a job this worker no longer holds is rare, and its files are
     deleted again when the compare-and-set below finds it so; a check costs every job a round trip.)"""
     try:
         decoded = [decode_image(image) for image in images]
     except ValueError as exc:
-        return job_fail(worker_id=worker_id, job_id=job_id, error=f"the worker sent a bad image: {exc}")
+        return job_fail(worker_id=worker_id, job_id=job_id, error=f"the worker sent a bad image: {exc}", now=now)
     names = []
     for n, (data, extension) in enumerate(decoded):
         names.append(default_storage.save(f"jobs/{job_id}/{n}.{extension}", ContentFile(data)))
-    now = timezone.now()
     finished = Job.objects.filter(id=job_id, worker_id=worker_id, state__in=HELD_STATES).update(
         state=JobState.SUCCEEDED, images=names, gpu_ms=gpu_ms, rung=rung[:40], finished_at=now,
         started_at=Coalesce(F("started_at"), Value(now))) == 1
@@ -298,28 +221,32 @@ def job_finish(*, worker_id: str, job_id: str, images: list[str], gpu_ms: float 
         for name in names:
             default_storage.delete(name)
         return False
-    _release_and_dispatch(job_id, worker_id)
+    _release_and_dispatch(job_id, worker_id, now=now)
     return True
 
 
-def job_fail(*, worker_id: str, job_id: str, error: str) -> bool:
+def job_fail(*, worker_id: str, job_id: str, error: str, now: datetime) -> bool:
     """A failure the worker reports is final."""
     failed = Job.objects.filter(id=job_id, worker_id=worker_id, state__in=HELD_STATES).update(
-        state=JobState.FAILED, error=str(error)[:2000] or "failed", finished_at=timezone.now()) == 1
+        state=JobState.FAILED, error=str(error)[:2000] or "failed", finished_at=now) == 1
     if failed:
-        _release_and_dispatch(job_id, worker_id)
+        _release_and_dispatch(job_id, worker_id, now=now)
     return failed
 
 
-def _release_and_dispatch(job_id: str, worker_id: str) -> None:
+def _release_and_dispatch(job_id: str, worker_id: str, *, now: datetime) -> None:
     if dispatcher().release(job_id, worker_id=worker_id):
-        dispatch()
+        jobs_dispatch(now=now)
 
 
-def jobs_return(*, job_ids: set[str]) -> None:
+def job_left_worker(*, worker_id: str, job_id: str, now: datetime) -> None:
+    """Another API process cancelled or requeued a job this process's worker holds: its place frees."""
+    _release_and_dispatch(job_id, worker_id, now=now)
+
+
+def jobs_return(*, job_ids: set[str], now: datetime) -> None:
     """The worker holding these jobs died: each goes back to the queue at its old place once,
     and fails with worker_lost the second time."""
-    now = timezone.now()
     current = dispatcher()
     requeued: list[str] = []
     for job in Job.objects.filter(id__in=job_ids, state__in=HELD_STATES):
@@ -334,10 +261,12 @@ def jobs_return(*, job_ids: set[str]) -> None:
         else:
             Job.objects.filter(id=job.id, state__in=HELD_STATES).update(
                 state=JobState.FAILED, error=WORKER_LOST, finished_at=now)
-    dispatch_or_wake(set(requeued))
+    jobs_dispatch_or_wake(queued=set(requeued), now=now)
 
 
-def worker_connected(*, worker_id: str, channel_name: str, models: list[str]) -> str | None:
+# --- workers connecting and leaving (called by workers.lifecycle) ------------------------------
+
+def worker_jobs_connect(*, worker_id: str, channel_name: str, models: list[str], now: datetime) -> str | None:
     """Register a worker connection and hand it work; the channel of a connection it replaced.
     Jobs cancelled while it was away (this API restarted meanwhile) are cancelled on it first."""
     held = {str(job_id) for job_id in Job.objects.filter(worker_id=worker_id, state__in=HELD_STATES)
@@ -345,45 +274,38 @@ def worker_connected(*, worker_id: str, channel_name: str, models: list[str]) ->
     replaced, cancelled = dispatcher().connect(worker_id=worker_id, channel_name=channel_name, models=models,
                                                held=held)
     for job_id in sorted(cancelled):
-        send_to_worker(channel_name, {"type": "cancel", "job_id": job_id})
-    sweep_orphans()
-    dispatch()
+        to_socket_after_commit(channel_name, Cancel(job_id).to_wire())
+    orphans_sweep(now=now)
+    jobs_dispatch(now=now)
     return replaced
 
 
-def worker_disconnected(*, worker_id: str, channel_name: str) -> bool:
+def worker_jobs_disconnect(*, worker_id: str, channel_name: str, now: datetime) -> bool:
     """A worker's socket closed or fell silent: it is dead, and its jobs follow the retry rule.
     False when a newer connection of the same worker had already taken over."""
     held = dispatcher().disconnect(worker_id=worker_id, channel_name=channel_name)
     if held is None:
         return False
-    jobs_return(job_ids=held)
+    jobs_return(job_ids=held, now=now)
     return True
 
 
-def sweep_orphans() -> None:
+def orphans_sweep(*, now: datetime) -> None:
     """Jobs held by workers that did not reconnect after this API process started follow the retry
     rule. With a shared queue, so do the jobs of workers that no API process has seen for the
     dead-worker window (their process died and they did not come back); a worker connected to
     another live process is not an orphan."""
     current = dispatcher()
-    expired = current.expired_orphans(now=time.monotonic())
+    expired = current.expired_orphans(now=now)
     if current.shared:
-        from potocolom.database import silence_cutoff
-        from workers.models import Worker
-
-        # silent for the window while the database could hear it (a restart of it is no one's death);
-        # "now" is this module's injected clock, as everywhere the dead-worker rule reads time
-        window = silence_cutoff(datetime.fromtimestamp(time.time(), UTC), 4 * settings.WORKER_HEARTBEAT_SECONDS)
-        alive = set(Worker.objects.filter(worker_id__in=list(expired), last_seen__gte=window)
-                    .values_list("worker_id", flat=True))
+        window = 4 * settings.WORKER_HEARTBEAT_SECONDS
+        alive = worker_rows.seen_within(list(expired), seconds=window, now=now)
         expired = {worker_id: held for worker_id, held in expired.items() if worker_id not in alive}
         waiting = current.orphan_ids() | current.connected_ids()  # this process decides on those itself
-        stale = (Job.objects.filter(state__in=HELD_STATES, worker_id__in=Worker.objects.filter(last_seen__lt=window)
-                                    .values("worker_id")).exclude(worker_id__in=waiting)
+        silent = worker_rows.silent_ids(seconds=window, now=now)
+        stale = (Job.objects.filter(state__in=HELD_STATES, worker_id__in=silent).exclude(worker_id__in=waiting)
                  .values_list("id", "worker_id"))
         for job_id, worker_id in stale:
             expired.setdefault(worker_id or "", set()).add(str(job_id))
     for held in expired.values():
-        jobs_return(job_ids=held)
-
+        jobs_return(job_ids=held, now=now)

@@ -11,14 +11,14 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "potocolom.settings")
 @pytest.fixture(autouse=True)
 def fresh_dispatcher():
     """Each test starts like a freshly started API process: the queue is rebuilt from the database."""
-    from realtime.state import reset_board
+    from realtime.admission import reset_admission
     from scheduling.dispatcher import reset_dispatcher
 
     reset_dispatcher()
-    reset_board()
+    reset_admission()
     yield
     reset_dispatcher()
-    reset_board()
+    reset_admission()
 
 
 @pytest.fixture(autouse=True)
@@ -29,13 +29,9 @@ def fresh_channel_layer():
     different event loop". A served process has one loop, so this concerns tests only."""
     from channels.layers import channel_layers
 
-    from potocolom import relay
-
     channel_layers.backends.clear()
-    relay._bus = None
     yield
     channel_layers.backends.clear()
-    relay._bus = None
 
 
 @pytest.fixture(autouse=True)

@@ -1,12 +1,15 @@
-"""Writes about workers: credentials and connection records."""
+"""Writes about workers, the only ones of Worker rows: credentials, and what each hello, heartbeat,
+rung change and lost socket says of a worker."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from django.db import transaction
-from django.utils import timezone
 
-from models_registry.models import ModelManifest
+from models_registry.selectors import registered_ids
+from potocolom.protocol.worker import ModelEntry
 from workers.models import Worker, WorkerToken, hash_token
 
 
@@ -25,29 +28,53 @@ def worker_token_check(*, token: str | None) -> WorkerToken | None:
     return WorkerToken.objects.filter(token_hash=hash_token(token), revoked=False).first()
 
 
-def worker_hello(*, worker_id: str, token: WorkerToken, gpu: Any, models: list[dict[str, Any]]) -> tuple[
-        list[dict[str, Any]], list[str]]:
-    """Record a worker's hello; the entries of registered models it serves, and the unknown ids."""
-    registered = set(ModelManifest.objects.filter(model_id__in=[m["model_id"] for m in models])
-                     .values_list("model_id", flat=True))
-    served = [m for m in models if m["model_id"] in registered]
-    unknown = [m["model_id"] for m in models if m["model_id"] not in registered]
-    now = timezone.now()
-    Worker.objects.update_or_create(worker_id=worker_id, defaults={
-        "token": token, "connected": True, "gpu": gpu, "served_models": served, "unknown_models": unknown,
-        "connected_at": now, "last_seen": now})
-    return served, unknown
+@dataclass(frozen=True)
+class HelloRecord:
+    """What a hello changed: the entries of registered models it serves, the ids the API does not
+    know, and the channel of the connection it said hello on before (empty: none, or gone)."""
+
+    served: list[ModelEntry]
+    unknown: list[str]
+    previous_channel: str
 
 
-def worker_gone(*, worker_id: str) -> None:
-    Worker.objects.filter(worker_id=worker_id).update(connected=False, last_seen=timezone.now())
+def worker_hello(*, worker_id: str, token: WorkerToken, gpu: Any, models: tuple[ModelEntry, ...], channel_name: str,
+                 now: datetime) -> HelloRecord:
+    """Record a worker's hello on the socket at `channel_name`."""
+    registered = registered_ids([m.model_id for m in models])
+    served = [m for m in models if m.model_id in registered]
+    unknown = [m.model_id for m in models if m.model_id not in registered]
+    with transaction.atomic():
+        previous = Worker.objects.select_for_update().filter(worker_id=worker_id) \
+            .values_list("channel_name", flat=True).first()
+        Worker.objects.update_or_create(worker_id=worker_id, defaults={
+            "token": token, "connected": True, "gpu": gpu, "served_models": [m.to_wire() for m in served],
+            "unknown_models": unknown, "connected_at": now, "last_seen": now, "channel_name": channel_name})
+    return HelloRecord(served, unknown, previous or "")
 
 
-def worker_rung_set(*, worker_id: str, model_id: str, entry: dict[str, Any]) -> None:
-    """Record a model's new rung (after a demotion) in what operators see of the worker."""
+def worker_seen(*, worker_id: str, now: datetime) -> None:
+    """A worker connected here is alive (every heartbeat period): other processes read this to tell
+    a worker connected elsewhere from one that is gone."""
+    Worker.objects.filter(worker_id=worker_id).update(connected=True, last_seen=now)
+
+
+def worker_gone(*, worker_id: str, now: datetime) -> None:
+    Worker.objects.filter(worker_id=worker_id).update(connected=False, last_seen=now)
+
+
+def worker_channel_clear(*, worker_id: str, channel_name: str) -> bool:
+    """The socket at `channel_name` closed: forget it, unless a newer connection (on any API
+    process) took over; True when it was still the worker's."""
+    return Worker.objects.filter(worker_id=worker_id, channel_name=channel_name).update(channel_name="") == 1
+
+
+def worker_rung_set(*, worker_id: str, entry: ModelEntry) -> None:
+    """Record a model's new rung (after a demotion) in the worker's served entries."""
     with transaction.atomic():
         worker = Worker.objects.select_for_update().filter(worker_id=worker_id).first()
         if worker is None:
             return
-        worker.served_models = [entry if m.get("model_id") == model_id else m for m in worker.served_models]
+        worker.served_models = [entry.to_wire() if m.get("model_id") == entry.model_id else m
+                                for m in worker.served_models]
         worker.save(update_fields=["served_models"])

@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from potocolom.stack import Stack, fake_manifest, free_port
 from tests.e2e.test_scale import MODEL, Worker, api, running_workers, submit, wait_until
+from tests.support.stack import Stack, fake_manifest, free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
@@ -93,7 +93,7 @@ class PrivatePostgres:
         """The API processes' keys holding their presence locks on that database of this server."""
         import psycopg
 
-        from realtime.presence import PRESENCE_LOCKS
+        from realtime.admission.presence import PRESENCE_LOCKS
 
         try:
             with psycopg.connect(database_url, autocommit=True, connect_timeout=2) as conn:

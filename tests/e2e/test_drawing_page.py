@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from potocolom.stack import Stack
+from tests.support.stack import Stack
 
 CHROMIUM = Path("/usr/bin/chromium")
 playwright_sync = pytest.importorskip("playwright.sync_api", reason="Playwright is not installed",

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from potocolom.stack import Stack
+from tests.support.stack import Stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from potocolom.stack import Stack
 from tests.e2e.test_job_path import Client
+from tests.support.stack import Stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
 

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from potocolom.stack import TINY_PNG_B64, Stack, fake_manifest
+from tests.support.stack import TINY_PNG_B64, Stack, fake_manifest
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300),
               pytest.mark.skipif(not os.environ.get("REDIS_URL"), reason="two API processes share their queue "
@@ -287,7 +287,7 @@ class PrivateRedis:
     killed and started again without touching the one the rest of the suite uses."""
 
     def __init__(self, workdir: Path) -> None:
-        from potocolom.stack import free_port
+        from tests.support.stack import free_port
 
         self.port, self.workdir = free_port(), workdir
         self.url = f"redis://127.0.0.1:{self.port}/0"
@@ -359,7 +359,7 @@ def test_a_redis_restart_loses_no_job_and_both_processes_carry_on(tmp_path: Path
 
 # --- live sessions on two API processes: one admission ---------------------------------------------
 
-from potocolom.stack import next_of  # noqa: E402  (the session tests' reader)
+from tests.support.stack import next_of  # noqa: E402  (the session tests' reader)
 
 LIVE_MODEL = "scale-live"
 shared_sessions = pytest.mark.skipif(not os.environ.get("DATABASE_URL", "").startswith("postgres"),
@@ -441,7 +441,7 @@ def sweep_holders(stack: Stack) -> list[int]:
     """The pids of the API processes holding the session sweep lock now (pg_locks)."""
     import psycopg
 
-    from realtime.presence import SWEEP_LOCK
+    from realtime.admission.presence import SWEEP_LOCK
 
     with psycopg.connect(stack.database_url, autocommit=True) as conn:
         rows = conn.execute(

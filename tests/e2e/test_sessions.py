@@ -17,7 +17,7 @@ import httpx
 import pytest
 import websockets
 
-from potocolom.stack import Stack, next_of
+from tests.support.stack import Stack, next_of
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
 WAIT_S = 120.0  # a frame on a loaded 2-core machine can take seconds

@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import base64
 import json
+from datetime import timedelta
 
 import pytest
 from channels.db import database_sync_to_async
+from django.utils import timezone
 
+from realtime.models import RealtimeSession
 from tests.helpers import api_client, eventually, tiny_png
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -225,16 +228,19 @@ async def test_a_freed_idle_slot_goes_to_the_next_session_and_an_idle_frame_wait
 async def test_the_sweep_applies_the_idle_rule(models, sockets, alice, settings):
     from realtime.services import sessions_sweep
 
+    # within the dead-worker window (4 heartbeat periods): the sweep's moment finds the worker alive
+    settings.SESSION_IDLE_SECONDS = 20.0
     browser, worker = sockets
     host = await worker(slots=1)
     session, session_id = await go_live(browser, host, alice)
-    from realtime.state import get_board
+    live_since = await database_sync_to_async(
+        lambda: RealtimeSession.objects.values_list("live_since", flat=True).get(id=session_id))()
+    idle = timedelta(seconds=settings.SESSION_IDLE_SECONDS)
 
-    live_since = get_board().get(session_id).live_since  # type: ignore[union-attr]
-
-    await database_sync_to_async(sessions_sweep)(now=live_since + settings.SESSION_IDLE_SECONDS - 0.001)
+    await database_sync_to_async(sessions_sweep)(now=live_since + idle - timedelta(milliseconds=1))
     assert await session_states() == [("live", "host-a:0")]
-    await database_sync_to_async(sessions_sweep)(now=live_since + settings.SESSION_IDLE_SECONDS)
+    # (the browser's process counts from when it heard of going live: a moment after the row's)
+    await database_sync_to_async(sessions_sweep)(now=live_since + idle + timedelta(seconds=1))
 
     assert await session.expect_state("idle")
 
@@ -299,7 +305,7 @@ async def test_an_operator_can_end_a_session(models, sockets, alice):
     host = await worker(slots=1)
     live, session_id = await go_live(browser, host, alice)
 
-    assert await database_sync_to_async(session_end)(session_id=session_id)
+    assert await database_sync_to_async(session_end)(session_id=session_id, now=timezone.now())
 
     assert await live.expect_close() == 1000
     await live.close()

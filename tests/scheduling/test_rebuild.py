@@ -2,13 +2,14 @@
 that a worker already holds is dispatched again while that worker may still come back."""
 from __future__ import annotations
 
-import time
+from datetime import timedelta
 
 import pytest
 from channels.db import database_sync_to_async
+from django.utils import timezone
 
 from scheduling import services
-from scheduling.dispatcher import reset_dispatcher
+from scheduling.dispatcher import dispatcher, reset_dispatcher
 from scheduling.models import Job, JobState
 from scheduling.services import JobRequest, job_submit
 from tests.helpers import (
@@ -36,10 +37,10 @@ def test_it_rebuilds_the_queue_with_the_same_order_and_positions(alice, bob, dja
     submitted = [(alice, "tiny-a", 0), (bob, "tiny-a", 5), (alice, "tiny-b", 0), (alice, "tiny-a", 0),
                  (bob, "tiny-a", 9), (bob, "tiny-b", 3), (alice, "tiny-a", 5)]
     with django_capture_on_commit_callbacks(execute=True):
-        jobs = [(account, job_submit(account=account, request=JobRequest(params=PROMPT, model_id=model_id,
-                                                                         priority=priority)))
+        jobs = [(account, job_submit(account=account, now=timezone.now(),
+                                     request=JobRequest(params=PROMPT, model_id=model_id, priority=priority)))
                 for account, model_id, priority in submitted]
-    services.job_cancel(job=jobs[1][1])  # an ended job is not queued again
+    services.job_cancel(job=jobs[1][1], now=timezone.now())  # an ended job is not queued again
 
     def positions():
         return [api_client(account).get(f"/api/v1/jobs/{job.id}/").json()["position"] for account, job in jobs]
@@ -55,45 +56,20 @@ def test_it_rebuilds_the_queue_with_the_same_order_and_positions(alice, bob, dja
 def test_it_rebuilds_only_queued_jobs(alice, django_capture_on_commit_callbacks):
     register_model("tiny-a")
     with django_capture_on_commit_callbacks(execute=True):
-        ids = [str(job_submit(account=alice, request=JobRequest(params=PROMPT, model_id="tiny-a")).id)
-               for _ in range(5)]
+        ids = [str(job_submit(account=alice, now=timezone.now(),
+                              request=JobRequest(params=PROMPT, model_id="tiny-a")).id) for _ in range(5)]
     for job_id, state in zip(ids, [JobState.DISPATCHED, JobState.RUNNING, JobState.SUCCEEDED, JobState.FAILED],
                              strict=False):
         Job.objects.filter(id=job_id).update(state=state, worker_id="host-a:0")
 
     restart()
 
-    queue = services.dispatcher().queues
+    queue = dispatcher().queues
     assert [job.job_id for job in queue.queued("tiny-a")] == [ids[4]]
-    assert services.dispatcher().position(ids[4]) == 1
+    assert dispatcher().position(ids[4]) == 1
 
 
 # --- dispatched jobs across a restart (sockets) -------------------------------------------------
-
-class Clock:
-    """A monotonic clock the test moves (what the services read for the reconnect window)."""
-
-    def __init__(self) -> None:
-        self.now = 10_000.0
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def time(self) -> float:
-        """Wall time moved as far as the monotonic clock (the workers' last_seen is wall time)."""
-        return time.time() + self.now - 10_000.0
-
-    @staticmethod
-    def perf_counter() -> float:
-        return time.perf_counter()
-
-
-@pytest.fixture
-def clock(monkeypatch) -> Clock:
-    fake = Clock()
-    monkeypatch.setattr(services, "time", fake)
-    return fake
-
 
 @pytest.fixture
 def token(transactional_db) -> str:
@@ -105,9 +81,12 @@ def token(transactional_db) -> str:
 
 @database_sync_to_async
 def submit_many(account, priorities: list[int]) -> list[str]:
-    return [str(job_submit(account=account, request=JobRequest(params={"prompt": f"job {n}"}, model_id="tiny-a",
-                                                               priority=priority)).id)
+    return [str(job_submit(account=account, now=timezone.now(),
+                           request=JobRequest(params={"prompt": f"job {n}"}, model_id="tiny-a", priority=priority)).id)
             for n, priority in enumerate(priorities)]
+
+
+sweep = database_sync_to_async(services.orphans_sweep)
 
 
 async def held_by(job_ids: list[str]) -> list[tuple[str, str | None, int]]:
@@ -139,7 +118,7 @@ def _png() -> str:
 
 
 @pytest.mark.django_db(transaction=True)
-async def test_it_does_not_redispatch_held_jobs_while_their_worker_may_reconnect(alice, workers, clock):
+async def test_it_does_not_redispatch_held_jobs_while_their_worker_may_reconnect(alice, workers):
     ids = await submit_many(alice, [0, 0, 0, 0])
     old = workers("host-a:0")
     await old.join(["tiny-a"])
@@ -154,7 +133,9 @@ async def test_it_does_not_redispatch_held_jobs_while_their_worker_may_reconnect
     assert [m["job_id"] for m in await newcomer.jobs(2)] == ids[2:]
     assert await newcomer.silent()
 
-    clock.now += 39.0  # within 4 heartbeat periods
+    # 39 s on, within 4 heartbeat periods: a sweep at that moment leaves its jobs with it
+    await sweep(now=timezone.now() + timedelta(seconds=39))
+    assert await held_by(ids[:2]) == [("dispatched", "host-a:0", 1)] * 2
     back = workers("host-a:0")  # the same worker_id on a new connection
     await back.join(["tiny-a"])
 
@@ -167,7 +148,7 @@ async def test_it_does_not_redispatch_held_jobs_while_their_worker_may_reconnect
 
 
 @pytest.mark.django_db(transaction=True)
-async def test_it_requeues_held_jobs_whose_worker_does_not_come_back_in_time(alice, workers, clock, settings):
+async def test_it_requeues_held_jobs_whose_worker_does_not_come_back_in_time(alice, workers, settings):
     ids = await submit_many(alice, [0, 0, 0])
     old = workers("host-a:0")
     await old.join(["tiny-a"])
@@ -178,8 +159,8 @@ async def test_it_requeues_held_jobs_whose_worker_does_not_come_back_in_time(ali
     await newcomer.join(["tiny-a"])
     assert [m["job_id"] for m in await newcomer.jobs(1)] == [ids[2]]
 
-    clock.now += 4 * settings.WORKER_HEARTBEAT_SECONDS + 1
-    await workers("host-c:0").join([])  # any hello sweeps the workers that did not return
+    # past 4 heartbeat periods, the sweep (every heartbeat period, and at every hello) sends them back
+    await sweep(now=timezone.now() + timedelta(seconds=4 * settings.WORKER_HEARTBEAT_SECONDS + 1))
 
     assert [(m["job_id"], m["attempt"]) for m in await newcomer.jobs(1)] == [(ids[0], 2)]
     assert await held_by(ids) == [("dispatched", "host-b:0", 2), ("queued", None, 2), ("dispatched", "host-b:0", 1)]
@@ -189,7 +170,7 @@ async def test_it_requeues_held_jobs_whose_worker_does_not_come_back_in_time(ali
 
 
 @pytest.mark.django_db(transaction=True)
-async def test_it_tells_a_returning_worker_about_a_job_cancelled_while_it_was_away(alice, workers, clock):
+async def test_it_tells_a_returning_worker_about_a_job_cancelled_while_it_was_away(alice, workers):
     ids = await submit_many(alice, [0, 0])
     old = workers("host-a:0")
     await old.join(["tiny-a"])

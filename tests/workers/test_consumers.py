@@ -8,6 +8,7 @@ from io import StringIO
 import pytest
 from channels.db import database_sync_to_async
 from django.core.management import call_command
+from django.utils import timezone
 
 from scheduling.services import JobRequest, job_submit
 from tests.helpers import (
@@ -45,8 +46,8 @@ def token(db) -> str:
 
 @database_sync_to_async
 def submit(account, *, model_id: str = "tiny-a", priority: int = 0, prompt: str = "a red circle") -> str:
-    job = job_submit(account=account, request=JobRequest(params={"prompt": prompt}, model_id=model_id,
-                                                         priority=priority))
+    job = job_submit(account=account, now=timezone.now(),
+                     request=JobRequest(params={"prompt": prompt}, model_id=model_id, priority=priority))
     return str(job.id)
 
 

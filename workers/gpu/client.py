@@ -1,23 +1,6 @@
-"""The worker loop: the worker socket, spoken exactly as PROTOCOL.md ("Worker socket") says.
-
-The client joins `{api}/ws/worker/?token=T`, says hello, and after the welcome heartbeats every
-`heartbeat_seconds`. Jobs go to the denoising thread (jobs.DenoiseLoop), which runs them in order
-while an encoder thread turns finished images into job_result messages. Everything the threads
-produce lands in one outbox, drained by a sender task per connection: what is produced while the
-API is away (job_started, job_result, job_failed) waits there for the next welcome, and jobs keep
-running meanwhile. The connection is retried forever with exponential backoff and jitter; only a
-refused token (close code 4001) ends the worker with an error.
-
-Live drawing sessions (sessions.SessionDesk) hold the realtime slots measured at load
-(frames.py); their frames run on the same denoising thread as jobs, before the next job and
-between a job's steps, and come back as frame_result messages. A dropped connection ends them all.
-
-When a job runs out of memory under MEMORY_MODE auto, the denoising thread moves its model one
-rung down (`_demote_model`: freed, reloaded, placed) and the client says so with `rung_changed`;
-below full the model has no realtime, so its live sessions here end.
-
-This module imports nothing from the API's Django code: a GPU host runs it with no database.
-"""
+"""The worker loop: the worker socket (potocolom.protocol.worker, both ways), reconnecting with
+backoff; jobs go to the denoising thread, frames of live sessions beside them, and everything the
+threads produce leaves through one outbox that keeps final messages across a reconnect."""
 from __future__ import annotations
 
 import asyncio
@@ -34,9 +17,23 @@ from typing import Any, cast
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 
+from potocolom.protocol.errors import MessageError
+from potocolom.protocol.rungs import MODE_AUTO
+from potocolom.protocol.worker import (
+    Cancel,
+    FrameOrder,
+    Heartbeat,
+    Hello,
+    JobFailed,
+    JobOrder,
+    RungChanged,
+    SessionEnd,
+    SessionStart,
+    Welcome,
+    parse_api_message,
+)
 from workers.gpu.frames import FramePipeline, FrameRunner, RealtimeCapacity
 from workers.gpu.jobs import DenoiseLoop, Encode, HeldJob, JobTiming, Pipeline, encode_png_b64
-from workers.gpu.ladder import MODE_AUTO
 from workers.gpu.sessions import SessionDesk
 
 log = logging.getLogger(__name__)
@@ -60,10 +57,6 @@ class TokenRefused(RuntimeError):
 
     def __init__(self, detail: str = "close code 4001") -> None:
         super().__init__(f"the API refused the worker token ({detail}); check --token or WORKER_TOKEN")
-
-
-class BadMessage(ValueError):
-    """A message from the API that is missing a field or has one of the wrong type."""
 
 
 class Backoff:
@@ -160,19 +153,19 @@ class WorkerClient:
         self._welcomed_ws: ClientConnection | None = None  # the connection that got its welcome
         self._closing: asyncio.Task[None] | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._handlers: dict[str, Callable[[dict[str, Any]], None]] = {
-            "welcome": self._on_welcome, "job": self._on_job, "cancel": self._on_cancel,
-            "session_start": self._on_session_start, "session_end": self._on_session_end,
-            "frame": self._on_frame,
+        self._handlers: dict[type, Callable[[Any], None]] = {
+            Welcome: self._on_welcome, JobOrder: self._on_job, Cancel: self._on_cancel,
+            SessionStart: self._on_session_start, SessionEnd: self._on_session_end, FrameOrder: self._on_frame,
         }
 
     # --- lifecycle ----------------------------------------------------------------------------
 
     def hello_message(self) -> dict[str, Any]:
         """The first message of every connection: who we are and what we serve, on which rung."""
-        models = [self.sessions.hello_entry(model_id, pipeline.rung) for model_id, pipeline in self.pipelines.items()]
+        models = tuple(self.sessions.hello_entry(model_id, pipeline.rung)
+                       for model_id, pipeline in self.pipelines.items())
         gpu = self._gpu_info() if self._gpu_info is not None else self.config.gpu
-        return {"type": "hello", "worker_id": self.config.worker_id, "gpu": gpu, "models": models}
+        return Hello(self.config.worker_id, gpu, models).to_wire()
 
     async def run(self) -> None:
         """Serve until stop(), reconnecting forever; raises TokenRefused on close code 4001."""
@@ -253,35 +246,26 @@ class WorkerClient:
     def _handle(self, raw: str | bytes) -> None:
         """Dispatch one message; a bad or unknown one is logged, never fatal."""
         try:
-            message = json.loads(raw)
-        except ValueError:
-            log.warning("ignoring a message that is not JSON: %.200r", raw)
-            return
-        if not isinstance(message, dict):
-            log.warning("ignoring a message that is not a JSON object: %.200r", raw)
-            return
-        kind = message.get("type")
-        handler = self._handlers.get(kind) if isinstance(kind, str) else None
-        if handler is None:
-            log.warning("ignoring a message of unknown type %.100r", message.get("type"))
+            message = parse_api_message(json.loads(raw))
+        except ValueError as exc:  # not JSON, or off the contract (MessageError)
+            log.warning("ignoring a message: %s: %.200r", exc, raw)
             return
         try:
-            handler(message)
-        except BadMessage as exc:
-            log.warning("ignoring a bad %s message: %s", message["type"], exc)
+            self._handlers[type(message)](message)
+        except MessageError as exc:
+            log.warning("ignoring a bad %s message: %s", message.type, exc)
         except Exception:
-            log.exception("error handling a %s message", message["type"])
+            log.exception("error handling a %s message", message.type)
 
-    def _on_welcome(self, message: dict[str, Any]) -> None:
-        period = message.get("heartbeat_seconds")
-        if isinstance(period, bool) or not isinstance(period, (int, float)) or period <= 0:
-            log.warning("welcome without a usable heartbeat_seconds (%r); using %s", period,
-                        DEFAULT_HEARTBEAT_SECONDS)
+    def _on_welcome(self, message: Welcome) -> None:
+        period = message.heartbeat_seconds
+        if period is None:
+            log.warning("welcome without a usable heartbeat_seconds; using %s", DEFAULT_HEARTBEAT_SECONDS)
             period = DEFAULT_HEARTBEAT_SECONDS
-        unknown = message.get("unknown_models") or []
-        if unknown:
-            log.warning("the API does not know these models, so routes nothing of them here: %s", unknown)
-        self.welcome = message
+        if message.unknown_models:
+            log.warning("the API does not know these models, so routes nothing of them here: %s",
+                        message.unknown_models)
+        self.welcome = message.to_wire()
         if self._ws is None or self._welcomed_ws is self._ws:
             return  # a repeated welcome on this connection changes nothing we run
         self._welcomed_ws = self._ws
@@ -294,21 +278,21 @@ class WorkerClient:
         self._tasks.append(asyncio.create_task(self._heartbeat(float(period)), name="heartbeat"))
         self._outbox_ready.set()
 
-    def _on_job(self, message: dict[str, Any]) -> None:
-        job_id, model_id = _text_field(message, "job_id"), _text_field(message, "model_id")
+    def _on_job(self, message: JobOrder) -> None:
+        job_id, model_id = message.job_id, message.model_id
         if job_id in self._held:
             log.info("job %s is already held; ignoring the duplicate", job_id)
             return
         timing = JobTiming(job_id=job_id, model_id=model_id, received=self._clock())
-        job = HeldJob(job_id=job_id, model_id=model_id, params=message.get("params", {}), timing=timing)
+        job = HeldJob(job_id=job_id, model_id=model_id, params=message.params, timing=timing)
         self.timings.append(timing)
         self._held[job_id] = job
         self._denoiser.submit(job)
-        log.info("job %s (%s, attempt %s) received; holding %d", job_id, model_id, message.get("attempt"),
+        log.info("job %s (%s, attempt %s) received; holding %d", job_id, model_id, message.attempt,
                  len(self._held))
 
-    def _on_cancel(self, message: dict[str, Any]) -> None:
-        job_id = _text_field(message, "job_id")
+    def _on_cancel(self, message: Cancel) -> None:
+        job_id = message.job_id
         job = self._held.get(job_id)
         if job is None:
             log.info("cancel for job %s, which this worker does not hold", job_id)
@@ -316,19 +300,15 @@ class WorkerClient:
         job.cancel()  # a waiting job is dropped, the running one interrupted at its next step
         log.info("job %s cancelled", job_id)
 
-    def _on_session_start(self, message: dict[str, Any]) -> None:
-        answer = self.sessions.start(_text_field(message, "session_id"), _text_field(message, "model_id"),
-                                     message.get("params"))
-        self._enqueue(_Outgoing(answer["type"], json.dumps(answer), None))
+    def _on_session_start(self, message: SessionStart) -> None:
+        answer = self.sessions.start(message.session_id, message.model_id, message.params)
+        self._enqueue(_Outgoing(answer.type, json.dumps(answer.to_wire()), None))
 
-    def _on_session_end(self, message: dict[str, Any]) -> None:
-        self.sessions.end(_text_field(message, "session_id"))
+    def _on_session_end(self, message: SessionEnd) -> None:
+        self.sessions.end(message.session_id)
 
-    def _on_frame(self, message: dict[str, Any]) -> None:
-        try:
-            self.sessions.frame(_text_field(message, "session_id"), message)
-        except ValueError as exc:  # sessions.BadFrame
-            raise BadMessage(str(exc)) from exc
+    def _on_frame(self, message: FrameOrder) -> None:
+        self.sessions.frame(message)
 
     # --- the memory ladder ----------------------------------------------------------------------
 
@@ -347,8 +327,8 @@ class WorkerClient:
         rung_changed (the API sends those sessions back to its queue)."""
         rung = self.pipelines[model_id].rung
         self.sessions.demote(model_id, rung)
-        message = {"type": "rung_changed", **self.sessions.hello_entry(model_id, rung)}
-        self._enqueue(_Outgoing("rung_changed", json.dumps(message), None))
+        message = RungChanged(self.sessions.hello_entry(model_id, rung))
+        self._enqueue(_Outgoing(message.type, json.dumps(message.to_wire()), None))
 
     # --- outgoing -----------------------------------------------------------------------------
 
@@ -357,9 +337,9 @@ class WorkerClient:
         kind, text = message["type"], json.dumps(message)
         if kind == "job_result" and len(text) > self.config.max_result_bytes:
             # Sent, it would be refused and retried forever: report it instead.
-            kind, text = "job_failed", json.dumps({
-                "type": "job_failed", "job_id": message["job_id"],
-                "error": f"result of {len(text)} bytes is over the {self.config.max_result_bytes}-byte limit"})
+            failed = JobFailed(message["job_id"],
+                               f"result of {len(text)} bytes is over the {self.config.max_result_bytes}-byte limit")
+            kind, text = failed.type, json.dumps(failed.to_wire())
         self._call_soon(self._enqueue, _Outgoing(kind, text, job))
 
     def _post_frame(self, message: dict[str, Any]) -> None:
@@ -416,7 +396,7 @@ class WorkerClient:
                     self._finished(out.job, "succeeded" if out.kind == "job_result" else "failed")
 
     async def _heartbeat(self, period: float) -> None:
-        text = json.dumps({"type": "heartbeat"})
+        text = json.dumps(Heartbeat().to_wire())
         while True:
             await asyncio.sleep(period)
             self._enqueue(_Outgoing("heartbeat", text, None))
@@ -434,10 +414,3 @@ class WorkerClient:
 
     def _release_threadsafe(self, job: HeldJob) -> None:
         self._call_soon(self._release, job)
-
-
-def _text_field(message: dict[str, Any], name: str) -> str:
-    value = message.get(name)
-    if not isinstance(value, str) or not value:
-        raise BadMessage(f"{name} must be a non-empty string, got {value!r}")
-    return value

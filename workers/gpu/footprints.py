@@ -1,12 +1,6 @@
-"""A loaded model's footprint for the memory ladder, measured from its modules (not from a table).
-
-Weights are the bytes of every parameter and buffer at the dtype the model was loaded in. Block
-groups follow diffusers' block-level group offloading exactly: in a module, each child that is a
-ModuleList or Sequential gives one group per block (num_blocks_per_group=1, what streams need),
-a child named in the module's `_group_offload_block_modules` is split the same way one level
-down, and everything else (other children, the module's own parameters) makes its unmatched
-group. Working memory is that of the largest image the manifest's params_schema allows.
-"""
+"""A loaded model's footprint for the memory ladder, measured from its modules: weights at their
+run dtype, block groups exactly as diffusers' block-level group offload cuts them, and working
+memory for the largest image its schema allows (docs/design/memory-ladder.md)."""
 from __future__ import annotations
 
 from collections.abc import Mapping

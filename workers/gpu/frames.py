@@ -1,40 +1,6 @@
-"""Realtime frames: slot measurement at load, and batching on the denoising thread.
-
-Slots. At load, for each model on the full-residency rung that does img2img, `measure_capacity`
-times frames at the session defaults (the model's smallest allowed width and height,
-`SESSION_STEPS` steps, strength 1.0 so every step runs: the heaviest frame a default session can
-ask for) at batch sizes 1, 2, 4, ... up to `BATCH_CAP`. `slots_from_measurements` (pure) turns
-the timings into `frame_ms_p95` (batch 1) and `realtime_slots`: the largest measured batch size
-whose p95 stays within the frame budget, so that many sessions' frames fit in one call. Slots
-are counted at the measured sizes only (no interpolation between 4 and 8), and a batch size
-after a failing one never counts. p95 is the nearest-rank percentile: with the few samples taken
-here it is the slowest one, so one frame over budget ends the measurement.
-
-Batching. Frames wait in a `FrameQueue` that keeps only the newest frame per session. The
-denoising thread takes them all at once and `group_frames` (pure) puts frames of the same model,
-size, steps, guidance and denoising steps into one pipeline call of at most the model's slots.
-diffusers' img2img takes one strength per call, but uses it only as
-`int(steps * strength)` denoising steps; frames whose strengths give the same count share a
-call and get exactly what they would get alone, so each session keeps its own prompt, strength
-and seed.
-
-When frames run. Frames and jobs share the one denoising thread: pending frames run before the
-next job, and between two denoising steps of a running job (its step callback), so a long job
-delays frames by one step at most, not by the whole job. A batch of frames is never interrupted.
-
-Gathering. Each session sends its next frame once its last one came back, so after a batch the
-sessions in it send again a few milliseconds apart (encoding, the relay through the API). Run at
-the first arrival, a batch of 4 would split into batches of 1 and 3 for good. So the idle
-denoising thread waits for the sessions that drew lately (`active_sessions`: a frame of theirs
-ran within the last few frame times) until each has a frame pending, but never longer than a
-window (`gather_window`: a fraction of the last batch's call time, capped) counted from the end
-of the last batch or the first pending frame, whichever is later (`gather_wait`, pure). A lone
-session never waits, nor does anything with batching off; frames run between a job's steps do
-not wait either.
-
-Batching off. `runworker_gpu --max-batch N` caps every call at N frames (`batch_limits`, pure);
-`--max-batch 1` turns batching off. Slots are still counted from the measurement.
-"""
+"""Realtime frames on the worker: slots measured at load (`measure_capacity`; `slots_from_measurements`
+is pure), frames kept newest-per-session and run in batches on the denoising thread (`group_frames`,
+`gather_wait` are pure). What, when and why: docs/design/frame-batching.md."""
 from __future__ import annotations
 
 import base64
@@ -49,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from potocolom.protocol.worker import FrameResult
 from workers.gpu.pipelines import (
     DEFAULT_GUIDANCE_SCALE,
     SIZE_MULTIPLE,
@@ -63,7 +30,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-FRAME_BUDGET_MS = 500.0  # PROTOCOL.md's default per-frame p95 budget
+FRAME_BUDGET_MS = 500.0  # the contract's default per-frame p95 budget
 SESSION_STEPS = 2  # a session's steps when session_start names none (and what slots are measured at)
 MEASURE_STRENGTH = 1.0  # every step runs: the heaviest frame of a default session
 BATCH_CAP = 16  # the largest batch measured, so the most slots a model advertises
@@ -490,8 +457,7 @@ class FrameRunner:
             except Exception:
                 log.exception("session %s: frame %s could not be encoded", frame.session_id, frame.seq)
                 continue
-            self._post({"type": "frame_result", "session_id": frame.session_id, "seq": frame.seq,
-                        "image": encoded, "gpu_ms": gpu_ms, "batch_size": len(frames)})
+            self._post(FrameResult(frame.session_id, frame.seq, encoded, gpu_ms, len(frames)).to_wire())
 
     @property
     def batch_sizes(self) -> list[int]:

@@ -1,20 +1,6 @@
-"""Held jobs, the denoising thread and the encoder behind it.
-
-One thread denoises the held jobs in the order they arrived. It hands each job's images to a
-separate encoder thread (PNG, base64, the job_result message) and starts the next held job at once,
-so the denoising loop never waits on encoding or on the socket. Both threads talk to the socket
-side only through two thread-safe callables: `post` (a message to send) and `release` (a job is
-done with, one way or another).
-
-Realtime frames (frames.FrameRunner) share the thread: pending frames run before the next job
-and between two denoising steps of the running job; `wake()` says frames are waiting.
-
-Out of memory (the memory ladder): when a job's pipeline call runs out of device memory, the
-rung it ran on and MEMORY_MODE decide (ladder.rung_after_oom). Under `auto` the model moves one
-rung down (`demote`: freed, reloaded there, rung_changed sent) and the job is retried once on
-the new rung; an out-of-memory error on the retry, on a pinned rung or on the lowest rung fails
-the job with a message that says so.
-"""
+"""Held jobs, the one denoising thread that runs them in arrival order (frames of live sessions
+before the next job and between steps), and the encoder thread behind it; an out-of-memory error
+moves the model down the ladder and retries once (docs/design/memory-ladder.md)."""
 from __future__ import annotations
 
 import base64
@@ -28,7 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from workers.gpu.ladder import MODE_AUTO, rung_after_oom
+from potocolom.protocol.rungs import MODE_AUTO
+from potocolom.protocol.worker import JobFailed, JobProgress, JobResult, JobStarted
+from workers.gpu.ladder import rung_after_oom
 from workers.gpu.pipelines import JobCancelled, OnStep, OutOfMemory, ShouldStop
 
 if TYPE_CHECKING:
@@ -216,12 +204,12 @@ class DenoiseLoop:
             return
         timing = job.timing
         timing.denoise_start = self._clock()  # before job_started: whoever sees that message sees this
-        self._post({"type": "job_started", "job_id": job.job_id}, job)
+        self._post(JobStarted(job.job_id).to_wire(), job)
         frame_seconds = 0.0
 
         def on_step(step: int, steps: int) -> None:
             nonlocal frame_seconds
-            self._post({"type": "job_progress", "job_id": job.job_id, "step": step, "steps": steps}, job)
+            self._post(JobProgress(job.job_id, step, steps).to_wire(), job)
             frame_seconds += self._run_frames(gather=False)  # between two steps: frames wait one step at most
 
         retried_from: str | None = None  # the rung of the first attempt, once the job is retried
@@ -305,8 +293,7 @@ class DenoiseLoop:
             self._fail(job, f"encoding failed: {short_error(exc)}")
             return
         job.timing.encode_end = self._clock()
-        self._post({"type": "job_result", "job_id": job.job_id, "images": encoded,
-                    "gpu_ms": round(gpu_ms, 1), "rung": rung}, job)
+        self._post(JobResult(job.job_id, encoded, round(gpu_ms, 1), rung).to_wire(), job)
 
     def _fail(self, job: HeldJob, error: str) -> None:
-        self._post({"type": "job_failed", "job_id": job.job_id, "error": error}, job)
+        self._post(JobFailed(job.job_id, error).to_wire(), job)

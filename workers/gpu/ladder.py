@@ -1,38 +1,12 @@
-"""The memory ladder (pure): which rung each model runs on, and where an out-of-memory error moves it.
-
-Rungs, highest first:
-- `full`: the whole pipeline lives on the device. Needs every component's weights plus working
-  memory; the only rung that serves realtime sessions.
-- `model_offload` (diffusers' `enable_model_cpu_offload`): one component at a time on the
-  device. Needs the largest of (a component's weights plus its own working memory: the VAE
-  decodes after the UNet has left); nothing stays resident between calls.
-- `group_offload` (`enable_group_offload`, block-level groups): one block group at a time, the
-  next one prefetched on a CUDA stream. Needs the largest of (a component's top-level group plus
-  two block groups plus its own working memory). The offloaded groups wait in system RAM, or on
-  disk (`offload_to_disk_path`) when RAM is too short to hold them.
-A model whose components carry no working memory of their own (a pipeline without both a UNet
-and a VAE) adds the whole model's working memory to its largest component instead.
-
-Models are placed one by one in the order the worker loads them, each on the highest rung that
-fits what is free now (MEMORY_MODE `auto`), or only on its pinned rung. Weights that stay on the
-device (full residency) are taken from what the next model can have; the transient part of a
-rung (working memory, an offloaded component or group while it runs) is shared, since the one
-denoising thread runs one model at a time: the device must hold every resident model plus the
-largest transient need of any of them.
-
-Everything here is plain data and arithmetic: no torch, no Django, no clock.
-"""
+"""The memory ladder (pure: no torch, no Django, no clock): what each model needs on each rung, the
+rung each one takes in load order against what is free (`place_next`, folded by `plan_rungs`), and
+where an out-of-memory error moves it. The rungs, the calibration and why: docs/design/memory-ladder.md."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-RUNG_FULL = "full"
-RUNG_MODEL_OFFLOAD = "model_offload"
-RUNG_GROUP_OFFLOAD = "group_offload"
-RUNGS = (RUNG_FULL, RUNG_MODEL_OFFLOAD, RUNG_GROUP_OFFLOAD)  # highest first
-MODE_AUTO = "auto"
-MEMORY_MODES = (MODE_AUTO, *RUNGS)
+from potocolom.protocol.rungs import MEMORY_MODES, MODE_AUTO, RUNG_FULL, RUNG_GROUP_OFFLOAD, RUNG_MODEL_OFFLOAD, RUNGS
 
 MIB = 2**20
 GROUP_RESIDENT_BLOCKS = 2  # under group offload: the block group running and the one prefetched
@@ -206,22 +180,40 @@ def host_bytes(footprint: Footprint, rung: str, offload_to_disk: bool) -> int:
     return footprint.weights_bytes
 
 
+@dataclass(frozen=True)
+class Placed:
+    """What the models placed so far hold: the largest transient need (shared: one model runs at a
+    time), and the device and host bytes they keep between calls."""
+
+    transient_pool: int = 0
+    resident_bytes: int = 0
+    host_bytes: int = 0
+
+
+def place_next(footprint: Footprint, placed: Placed, *, free_bytes: int | None, mode: str = MODE_AUTO,
+               ram_free_bytes: int | None = None) -> tuple[RungChoice, Placed]:
+    """The next model's rung next to the models `placed` (`free_bytes` and `ram_free_bytes`: what is
+    free now, those models' holdings already taken out), and what all of them hold then."""
+    choice = choose_rung(footprint, free_bytes=free_bytes, mode=mode, transient_pool=placed.transient_pool,
+                         ram_free_bytes=ram_free_bytes)
+    if choice.rung is None:
+        return choice, placed
+    return choice, Placed(max(placed.transient_pool, footprint.transient_bytes(choice.rung)),
+                          placed.resident_bytes + footprint.resident_bytes(choice.rung),
+                          placed.host_bytes + host_bytes(footprint, choice.rung, choice.offload_to_disk))
+
+
 def plan_rungs(footprints: Iterable[Footprint], *, free_bytes: int | None, mode: str = MODE_AUTO,
                ram_free_bytes: int | None = None) -> list[RungChoice]:
-    """choose_rung for each model in load order against one budget: a placed model's resident
+    """place_next for each model in load order against one budget: a placed model's resident
     weights and RAM leave the budget, its transient need joins the shared pool."""
-    choices, pool = [], 0
+    choices, placed = [], Placed()
     for footprint in footprints:
-        choice = choose_rung(footprint, free_bytes=free_bytes, mode=mode, transient_pool=pool,
-                             ram_free_bytes=ram_free_bytes)
+        choice, placed = place_next(
+            footprint, placed, mode=mode,
+            free_bytes=None if free_bytes is None else free_bytes - placed.resident_bytes,
+            ram_free_bytes=None if ram_free_bytes is None else ram_free_bytes - placed.host_bytes)
         choices.append(choice)
-        if choice.rung is None:
-            continue
-        pool = max(pool, footprint.transient_bytes(choice.rung))
-        if free_bytes is not None:
-            free_bytes -= footprint.resident_bytes(choice.rung)
-        if ram_free_bytes is not None:
-            ram_free_bytes -= host_bytes(footprint, choice.rung, choice.offload_to_disk)
     return choices
 
 

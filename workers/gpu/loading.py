@@ -1,18 +1,16 @@
-"""Loading the installed models onto the memory ladder, one by one in load order.
-
-Each model is read onto the CPU, measured (footprints.py), given the highest rung that fits what
-is free now (ladder.choose_rung) and placed there. A model that fits on no rung is dropped, with
-the reason in the log, and left out of the hello.
-"""
+"""Loading the installed models onto the memory ladder, one by one in load order: each is read onto
+the CPU, measured (footprints.py), given its rung by the pure plan (ladder.place_next) against what
+is free now, and placed there; one that fits on no rung is left out, with the reason in the log."""
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass, field
 
+from potocolom.protocol.rungs import MODE_AUTO
 from workers.gpu.footprints import pipeline_footprint
-from workers.gpu.ladder import MODE_AUTO, RungChoice, choose_rung, host_bytes, mib
-from workers.gpu.models import InstalledModel
+from workers.gpu.installed import InstalledModel
+from workers.gpu.ladder import Placed, RungChoice, mib, place_next
 from workers.gpu.pipelines import DiffusersPipeline, Fault, offload_dir_for, read_modules
 from workers.gpu.vram import VramBudget, available_ram_bytes, give_back_device_memory
 
@@ -33,8 +31,7 @@ def load_pipelines(models: list[InstalledModel], device: str, *, mode: str = MOD
     """Every model that fits, placed on its rung; raises PipelineLoadError for one that cannot be read."""
     budget = budget or VramBudget(device)
     loaded = Loaded()
-    pool = 0  # the largest transient need of the models placed so far
-    ram_held = 0  # RAM the offloaded models placed so far keep (see ladder.host_bytes)
+    placed = Placed()
     for model in models:
         started = time.perf_counter()
         log.info("loading %s (%s) from %s for %s", model.model_id, model.pipeline, model.source, device)
@@ -42,9 +39,10 @@ def load_pipelines(models: list[InstalledModel], device: str, *, mode: str = MOD
         footprint = pipeline_footprint(model.model_id, modules.pipe, model.params_schema)
         ram = available_ram_bytes()
         # The weights just read sit in RAM already: they are what offloaded groups would keep there.
-        ram_free = None if ram is None else ram + footprint.weights_bytes - ram_held
-        choice = choose_rung(footprint, free_bytes=budget.free_bytes(), mode=mode, transient_pool=pool,
-                             ram_free_bytes=ram_free)
+        ram_free = None if ram is None else ram + footprint.weights_bytes - placed.host_bytes
+        # The budget's free figure already leaves out what placed models keep on the device.
+        choice, placed = place_next(footprint, placed, free_bytes=budget.free_bytes(), mode=mode,
+                                    ram_free_bytes=ram_free)
         loaded.choices[model.model_id] = choice
         if choice.rung is None:
             log.error("model %s is not served: it %s (weights %s, largest component %s, largest block group %s, "
@@ -59,8 +57,6 @@ def load_pipelines(models: list[InstalledModel], device: str, *, mode: str = MOD
         loaded.pipelines[model.model_id] = DiffusersPipeline.placed(
             model, modules, device, choice.rung, offload_dir=offload_dir, fault=fault, footprint=footprint)
         budget.hold(footprint.resident_bytes(choice.rung))
-        pool = max(pool, footprint.transient_bytes(choice.rung))
-        ram_held += host_bytes(footprint, choice.rung, choice.offload_to_disk)
         log.info("model %s on %s: %s (weights %s, working %s); placed in %.1f s%s", model.model_id, device,
                  choice.reason, mib(footprint.weights_bytes), mib(footprint.working_bytes),
                  time.perf_counter() - started, f"; groups in {offload_dir}" if offload_dir else "")

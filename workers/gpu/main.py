@@ -1,8 +1,5 @@
-"""Start a GPU worker from its options: find the installed models, load them, connect, serve.
-
-`manage.py runworker_gpu` parses flags into WorkerOptions and calls run_worker; nothing else here
-knows about Django. torch and diffusers are imported only once run_worker starts.
-"""
+"""Start a GPU worker from its options: find the installed models, load them onto the ladder,
+measure their realtime slots, connect and serve until SIGINT or SIGTERM. No Django here."""
 from __future__ import annotations
 
 import asyncio
@@ -13,8 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from workers.gpu.ladder import MEMORY_MODES
-from workers.gpu.models import discover_models
+from potocolom.protocol.rungs import MEMORY_MODES, RUNG_FULL
+from workers.gpu.installed import discover_models
 from workers.gpu.vram import device_index
 
 log = logging.getLogger(__name__)
@@ -67,7 +64,6 @@ def _check(options: WorkerOptions, device: str) -> None:
 def measure_realtime(pipelines: dict[str, Any], budget_ms: float) -> dict[str, Any]:
     """Each full-rung img2img model's RealtimeCapacity (frames.measure_capacity), by model_id."""
     from workers.gpu.frames import describe, measure_capacity
-    from workers.gpu.ladder import RUNG_FULL
 
     capacities = {}
     for model_id, pipeline in pipelines.items():
@@ -81,7 +77,7 @@ def measure_realtime(pipelines: dict[str, Any], budget_ms: float) -> dict[str, A
 
 def build_client(options: WorkerOptions) -> Any:
     """Load the installed models and make the WorkerClient (not yet connected)."""
-    from workers.gpu.models import ManifestError, UnknownModelError
+    from workers.gpu.installed import ManifestError, UnknownModelError
 
     # The manifests first: a wrong --models fails in a blink, before torch is even imported.
     try:

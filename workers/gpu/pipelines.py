@@ -1,15 +1,6 @@
-"""The Stable-Diffusion-style pipeline adapter: real diffusers pipelines, loaded with `from_pretrained`.
-
-One adapter, "simple over easy" (diffusers' own rule): `check_inputs` turns a job's params into a
-checked `GenerationRequest` or fails loudly, and `generate` runs numbered steps. Progress and
-cancellation go through the pipeline's `callback_on_step_end` and `interrupt`. Reading the model
-and placing it on a memory rung is placement.py's (`place` is re-exported here); a job's call of
-the diffusers pipeline goes through one seam, `DiffusersPipeline._call`, where torch's
-out-of-memory error becomes `OutOfMemory` (and where tests inject one).
-
-torch and diffusers are imported lazily, inside the worker program only: the API process imports
-nothing from here.
-"""
+"""The Stable-Diffusion-style pipeline adapter over real diffusers pipelines: `check_inputs` turns
+params into a checked request or fails loudly, `generate` runs numbered steps with progress and
+interruption in the step callback, and `_call` is the one seam where out-of-memory is caught."""
 from __future__ import annotations
 
 import base64
@@ -23,9 +14,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from potocolom.protocol.browser import DEFAULT_STRENGTH
+from potocolom.protocol.rungs import RUNG_FULL, RUNG_GROUP_OFFLOAD
 from workers.gpu.footprints import default_size
-from workers.gpu.ladder import RUNG_FULL, RUNG_GROUP_OFFLOAD, Footprint
-from workers.gpu.models import InstalledModel
+from workers.gpu.installed import InstalledModel
+from workers.gpu.ladder import Footprint
 from workers.gpu.placement import (  # noqa: F401  (re-exported: the adapter's public names)
     Modules,
     PipelineLoadError,
@@ -43,7 +36,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_STEPS = 20
 DEFAULT_GUIDANCE_SCALE = 7.5
-DEFAULT_STRENGTH = 0.8  # diffusers' img2img default
 MAX_SEED = 2**32 - 1
 MAX_STEPS = 1000  # the scheduler's training steps; a model's params_schema narrows this
 SIZE_MULTIPLE = 8  # diffusers' Stable Diffusion pipelines reject sizes that are not multiples of 8

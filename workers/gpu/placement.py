@@ -1,9 +1,6 @@
-"""Reading a model onto the CPU and placing it on a memory rung (full, model or group offload).
-
-A model is read with `from_pretrained` at the dtype it runs in, still on the CPU, so the memory
-ladder can measure its footprint (footprints.py) before anything reaches the device; `place` then
-puts its modules where the chosen rung says. torch and diffusers are imported lazily.
-"""
+"""Reading a model onto the CPU at its run dtype (so the ladder can measure it before anything
+reaches the device) and placing it on a rung: `pipe.to`, `enable_model_cpu_offload` or
+`enable_group_offload`. torch and diffusers are imported lazily."""
 from __future__ import annotations
 
 import contextlib
@@ -14,8 +11,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from workers.gpu.ladder import RUNG_FULL, RUNG_GROUP_OFFLOAD, RUNG_MODEL_OFFLOAD, RUNGS
-from workers.gpu.models import InstalledModel
+from potocolom.protocol.rungs import RUNG_FULL, RUNG_GROUP_OFFLOAD, RUNG_MODEL_OFFLOAD, RUNGS
+from workers.gpu.installed import InstalledModel
 
 
 class PipelineLoadError(RuntimeError):
@@ -26,7 +23,7 @@ def place(pipes: Sequence[Any], device: str, rung: str = RUNG_FULL, *, offload_d
     """Put a model's modules where `rung` says, on `device`; return the rung it runs on.
 
     `pipes` are the model's pipeline objects, the first the loaded one and the rest made from it
-    with `from_pipe` (they share its modules). The diffusers 0.42 calls (STACK-NOTES.md):
+    with `from_pipe` (they share its modules). The diffusers 0.42 calls:
     - full: `pipe.to(device)`, which moves the shared modules for all of them.
     - model_offload: `enable_model_cpu_offload(device=device)` on each pipeline object, since each
       call of a pipeline ends by offloading the modules its own hooks know.

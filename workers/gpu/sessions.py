@@ -1,20 +1,6 @@
-"""The worker's side of live drawing sessions: session_start, session_end and frame messages.
-
-A session holds one realtime slot of its model from its `session_accepted` until its
-`session_end` (or until the connection to the API drops: the API then sends its sessions back to
-the queue, so the worker forgets them all). A session_start is refused, with a reason, when the
-model is not served here in realtime, when every slot of the model is taken, or when its params
-are not what the model can run (width, height and steps must be integers the model's
-params_schema allows; width and height multiples of 8).
-
-Slots were measured at the session defaults (frames.py). A session that asks for a bigger size
-or more steps is still accepted when the schema allows it, and takes one slot like any other:
-its frames run in their own batches (they share no call with default-size frames) and may take
-longer than the frame budget.
-
-Everything here runs on the event loop; frames go to the FrameRunner's queue, and `wake` tells
-the denoising thread there is something to run.
-"""
+"""The worker's side of live drawing sessions: a session holds one realtime slot of its model from
+its session_accepted to its session_end (or the connection's drop); its frames go to the frame
+queue, and the denoising thread runs them in batches. How and why: docs/design/frame-batching.md."""
 from __future__ import annotations
 
 import logging
@@ -23,17 +9,16 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from potocolom.protocol.browser import frame_params
+from potocolom.protocol.rungs import RUNG_FULL
+from potocolom.protocol.worker import FrameOrder, ModelEntry, SessionAccepted, SessionRefused
 from workers.gpu.frames import Frame, FramePipeline, FrameRunner, RealtimeCapacity, SessionParams
-from workers.gpu.pipelines import DEFAULT_GUIDANCE_SCALE, DEFAULT_STRENGTH, MAX_SEED, RUNG_FULL, InvalidParams
+from workers.gpu.pipelines import DEFAULT_GUIDANCE_SCALE, MAX_SEED, InvalidParams
 
 log = logging.getLogger(__name__)
 
 SESSION_PARAM_KEYS = ("width", "height", "steps", "seed", "guidance_scale")
 PROMPT_CHARS = 1000  # the manifests' maxLength for prompts; a longer one is cut, not refused
-
-
-class BadFrame(ValueError):
-    """A frame message with a missing field or one of the wrong type."""
 
 
 @dataclass(frozen=True)
@@ -98,24 +83,12 @@ def session_params(raw: Any, capacity: RealtimeCapacity, pipeline: FramePipeline
                          guidance_scale=request.guidance_scale, seed=request.seed)
 
 
-def parse_frame(message: dict[str, Any], session: LiveSession, received: float) -> Frame:
-    """A frame message as a Frame of its session; raises BadFrame."""
-    seq, image, params = message.get("seq"), message.get("image"), message.get("params")
-    if isinstance(seq, bool) or not isinstance(seq, int):
-        raise BadFrame(f"seq must be an integer, got {seq!r}"[:200])
-    if not isinstance(image, str) or not image:
-        raise BadFrame("image must be a non-empty base64 string")
-    params = {} if params is None else params
-    if not isinstance(params, dict):
-        raise BadFrame(f"params must be a JSON object, got {type(params).__name__}")
-    prompt = params.get("prompt", "")
-    if not isinstance(prompt, str):
-        raise BadFrame(f"params.prompt must be a string, got {type(prompt).__name__}")
-    strength = params.get("strength", DEFAULT_STRENGTH)
-    if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not 0 <= strength <= 1:
-        raise BadFrame(f"params.strength must be a number from 0 to 1, got {strength!r}"[:200])
-    return Frame(session_id=session.session_id, seq=seq, model_id=session.model_id, params=session.params,
-                 prompt=prompt[:PROMPT_CHARS], strength=float(strength), image=image, received=received)
+def frame_of(message: FrameOrder, session: LiveSession, received: float) -> Frame:
+    """A frame message as a Frame of its session; MessageError for params off the contract."""
+    params = frame_params(message.params)
+    return Frame(session_id=session.session_id, seq=message.seq, model_id=session.model_id, params=session.params,
+                 prompt=params.prompt[:PROMPT_CHARS], strength=params.strength, image=message.image,
+                 received=received)
 
 
 class SessionDesk:
@@ -134,22 +107,21 @@ class SessionDesk:
         self._clock = clock
         self._rng = rng
 
-    def hello_entry(self, model_id: str, rung: str) -> dict[str, Any]:
+    def hello_entry(self, model_id: str, rung: str) -> ModelEntry:
         """The model's entry in hello.models."""
         capacity = self.capacities.get(model_id)
         realtime = capacity is not None and capacity.realtime
-        return {"model_id": model_id, "rung": rung, "realtime": realtime,
-                "frame_ms_p95": capacity.frame_ms_p95 if capacity is not None else None,
-                "realtime_slots": capacity.slots if capacity is not None and realtime else 0}
+        return ModelEntry(model_id, rung, realtime, capacity.frame_ms_p95 if capacity is not None else None,
+                          capacity.slots if capacity is not None and realtime else 0)
 
     def holds(self, session_id: str) -> bool:
         return self.table.get(session_id) is not None
 
-    def start(self, session_id: str, model_id: str, raw_params: Any) -> dict[str, Any]:
+    def start(self, session_id: str, model_id: str, raw_params: Any) -> SessionAccepted | SessionRefused:
         """The answer to a session_start: session_accepted, or session_refused with a reason."""
         held = self.table.get(session_id)
         if held is not None and held.model_id == model_id:
-            return {"type": "session_accepted", "session_id": session_id}  # a repeated start
+            return SessionAccepted(session_id)  # a repeated start
         params: SessionParams | None = None
         reason = self._refusal(session_id, model_id)
         if reason is None:  # bad params first: they are refused everywhere, a full worker only here
@@ -161,12 +133,12 @@ class SessionDesk:
             reason = f"no free realtime slot for model {model_id} ({self.table.slots[model_id]} in use)"
         if reason is not None or params is None:
             log.info("session %s (%s) refused: %s", session_id, model_id, reason)
-            return {"type": "session_refused", "session_id": session_id, "reason": reason}
+            return SessionRefused(session_id, reason or "refused")
         self.table.add(LiveSession(session_id, model_id, params))
         log.info("session %s (%s) live at %dx%d, %d steps; %d of %d slot(s) in use", session_id, model_id,
                  params.width, params.height, params.steps, self.table.in_use(model_id),
                  self.table.slots[model_id])
-        return {"type": "session_accepted", "session_id": session_id}
+        return SessionAccepted(session_id)
 
     def _refusal(self, session_id: str, model_id: str) -> str | None:
         if self.table.get(session_id) is not None:
@@ -200,13 +172,13 @@ class SessionDesk:
         log.info("model %s moved to rung %s: no realtime here any more; %d live session(s) ended", model_id, rung,
                  len(ended))
 
-    def frame(self, session_id: str, message: dict[str, Any]) -> None:
+    def frame(self, message: FrameOrder) -> None:
         """Queue a frame of a live session (a frame of any other session is ignored)."""
-        session = self.table.get(session_id)
+        session = self.table.get(message.session_id)
         if session is None:
-            log.debug("ignoring a frame of session %s, which is not live here", session_id)
+            log.debug("ignoring a frame of session %s, which is not live here", message.session_id)
             return
-        if self._runner.queue.put(parse_frame(message, session, self._clock())):
+        if self._runner.queue.put(frame_of(message, session, self._clock())):
             self._wake()
 
     def clear(self) -> None:

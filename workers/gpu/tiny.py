@@ -1,10 +1,6 @@
-"""A tiny random-weight Stable-Diffusion-style pipeline, written offline, for CPU demos and tests.
-
-It is built from configs (the sizes of diffusers' own `get_dummy_components()`), seeded so every
-build writes the same weights, saved with `save_pretrained` (about 8 MB), and described by a
-`manifest.json` next to it. Nothing here touches the network: the tokenizer is a byte-level BPE
-vocabulary made on the spot instead of one fetched from the hub.
-"""
+"""A tiny random-weight Stable-Diffusion-style pipeline (the sizes of diffusers' own dummy
+components), seeded and written offline with its manifest, for CPU demos and tests: the same
+loading and denoising code as a real model, in about 8 MB."""
 from __future__ import annotations
 
 import json

@@ -1,9 +1,5 @@
-"""Probes of the memory the ladder plans against: free VRAM (NVML, else torch), system RAM (psutil),
-and the pretend VRAM budget of `--vram-mib` on a machine without CUDA.
-
-NVML sees the whole device, other processes included, which is what "free now" means for a
-worker sharing its GPU; torch's `mem_get_info` is the fallback when NVML is missing.
-"""
+"""What the memory ladder plans against: free VRAM (NVML, which sees other processes too, else
+torch), system RAM (psutil), and the pretend budget of `--vram-mib` on a machine without CUDA."""
 from __future__ import annotations
 
 import logging

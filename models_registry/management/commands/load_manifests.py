@@ -6,8 +6,8 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from models_registry.manifests import ManifestError
 from models_registry.services import manifests_load
+from potocolom.protocol.manifests import ManifestError
 
 
 class Command(BaseCommand):

@@ -1,5 +1,5 @@
 // The drawing page: a canvas sent as frames over /ws/session/, the worker's output shown beside it.
-// Plain JS, no build step. The wire messages are those of PROTOCOL.md, "Browser socket".
+// Plain JS, no build step. The wire messages are those of docs/protocol.md, "Browser socket".
 "use strict";
 
 (function () {

@@ -1,4 +1,4 @@
-"""The worker loop against an in-process fake API: the worker socket as PROTOCOL.md says."""
+"""The worker loop against an in-process fake API: the worker socket as docs/protocol.md says."""
 from __future__ import annotations
 
 import asyncio

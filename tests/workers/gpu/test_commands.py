@@ -152,7 +152,7 @@ def test_it_exits_with_the_reason_when_no_model_fits_its_vram_budget(models_dir:
 def test_it_leaves_torch_and_diffusers_unimported_until_the_worker_starts() -> None:
     code = ("import sys\n"
             "import workers.management.commands.runworker_gpu, workers.management.commands.make_tiny_model\n"
-            "import workers.gpu.client, workers.gpu.main, workers.gpu.models, workers.gpu.tiny\n"
+            "import workers.gpu.client, workers.gpu.main, workers.gpu.installed, workers.gpu.tiny\n"
             "import workers.gpu.ladder, workers.gpu.vram, workers.gpu.loading, workers.gpu.footprints\n"
             "heavy = sorted(m for m in ('torch', 'diffusers', 'transformers') if m in sys.modules)\n"
             "assert not heavy, heavy\n")

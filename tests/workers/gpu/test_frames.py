@@ -10,6 +10,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from potocolom.protocol.errors import MessageError
+from potocolom.protocol.worker import parse_api_message
 from tests.workers.gpu.support import TEST_SECONDS
 from workers.gpu.frames import (
     Frame,
@@ -33,7 +35,7 @@ from workers.gpu.frames import (
     smallest_size,
 )
 from workers.gpu.pipelines import FrameRequest, InvalidParams
-from workers.gpu.sessions import BadFrame, LiveSession, SessionTable, parse_frame, session_params
+from workers.gpu.sessions import LiveSession, SessionTable, frame_of, session_params
 
 DEFAULT = SessionParams(width=64, height=64, steps=2, guidance_scale=7.5, seed=1)
 BIG = SessionParams(width=128, height=64, steps=2, guidance_scale=7.5, seed=1)
@@ -398,8 +400,9 @@ def test_it_fills_in_the_session_defaults_and_checks_params_with_the_pipeline(ti
     {"seq": 1, "image": "AAAA", "params": {"prompt": 3}}, {"seq": 1, "image": "AAAA", "params": {"strength": 2}},
     {"seq": True, "image": "AAAA"}])
 def test_it_rejects_a_malformed_frame(message: dict[str, Any]) -> None:
-    with pytest.raises(BadFrame):
-        parse_frame(message, LiveSession("a", "m", DEFAULT), 0.0)
+    with pytest.raises(MessageError):
+        order = parse_api_message({"type": "frame", "session_id": "a", **message})
+        frame_of(order, LiveSession("a", "m", DEFAULT), 0.0)
 
 
 def test_it_gives_each_frame_of_a_batch_what_it_would_get_alone(tiny_pipeline: Any) -> None:

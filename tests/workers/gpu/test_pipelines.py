@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from workers.gpu.models import InstalledModel
+from workers.gpu.installed import InstalledModel
 from workers.gpu.pipelines import DiffusersPipeline, InvalidParams, JobCancelled
 
 

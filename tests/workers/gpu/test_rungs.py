@@ -12,11 +12,12 @@ from typing import Any
 import numpy as np
 import pytest
 
+from potocolom.protocol.rungs import RUNG_FULL, RUNG_GROUP_OFFLOAD, RUNG_MODEL_OFFLOAD
 from tests.workers.gpu.test_pipelines import png_data_url
 from workers.gpu.footprints import block_groups, pipeline_footprint, safetensors_bytes
-from workers.gpu.ladder import MIB, RUNG_FULL, RUNG_GROUP_OFFLOAD, RUNG_MODEL_OFFLOAD
+from workers.gpu.installed import InstalledModel, discover_models
+from workers.gpu.ladder import MIB
 from workers.gpu.loading import load_pipelines
-from workers.gpu.models import InstalledModel, discover_models
 from workers.gpu.pipelines import DiffusersPipeline, FrameRequest, read_modules
 from workers.gpu.vram import VramBudget
 

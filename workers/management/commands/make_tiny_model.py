@@ -1,8 +1,5 @@
-"""`manage.py make_tiny_model DIR`: write the tiny random-weight pipeline and its manifest.
-
-The last line printed is the manifest's absolute path (PROTOCOL.md, operator commands). No
-database is needed, and diffusers is imported only when the command runs.
-"""
+"""`manage.py make_tiny_model DIR`: write the tiny random-weight pipeline and its manifest; the last
+line printed is the manifest's absolute path. No database; diffusers is imported only here."""
 from __future__ import annotations
 
 from typing import Any

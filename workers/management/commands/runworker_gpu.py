@@ -1,9 +1,5 @@
-"""`manage.py runworker_gpu --api ws://HOST:PORT --token T ...`: run a GPU worker.
-
-This command only parses flags; the worker program (workers.gpu) does the rest. It never touches
-the database, and torch/diffusers are imported only once the worker starts, so the API process
-never pays for them.
-"""
+"""`manage.py runworker_gpu --api ws://HOST:PORT --token T ...`: parse the flags and run the worker
+program (workers.gpu), which needs no database; torch is imported only once it starts."""
 from __future__ import annotations
 
 import argparse
@@ -14,7 +10,7 @@ from typing import Any
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
-MEMORY_MODES = ("auto", "full", "model_offload", "group_offload")  # workers.gpu.ladder.MEMORY_MODES
+from potocolom.protocol.rungs import MEMORY_MODES
 
 
 def _positive_int(text: str) -> int:
@@ -75,8 +71,8 @@ class Command(BaseCommand):
         # Imported here: the worker program is not part of the API process.
         from workers.gpu.client import TokenRefused
         from workers.gpu.frames import frame_budget_ms_from_env
+        from workers.gpu.installed import parse_model_ids
         from workers.gpu.main import WorkerOptions, WorkerStartError, run_worker
-        from workers.gpu.models import parse_model_ids
 
         if not options["token"]:
             raise CommandError("a worker token is required: --token TOKEN or WORKER_TOKEN")

@@ -1,0 +1,20 @@
+"""Reads of the model registry, as plain manifests for the pure routing rules."""
+from __future__ import annotations
+
+from models_registry.models import ModelManifest
+from potocolom.protocol.manifests import Manifest
+
+
+def registered_manifests() -> list[Manifest]:
+    """Every registered model as plain data, cheapest first."""
+    return [to_manifest(row) for row in ModelManifest.objects.all()]
+
+
+def registered_ids(model_ids: list[str]) -> set[str]:
+    """Those of `model_ids` that are registered."""
+    return set(ModelManifest.objects.filter(model_id__in=model_ids).values_list("model_id", flat=True))
+
+
+def to_manifest(row: ModelManifest) -> Manifest:
+    return Manifest(model_id=row.model_id, tier=row.tier, cost=row.cost, capabilities=tuple(row.capabilities),
+                    pipeline=row.pipeline, source=row.source, params_schema=row.params_schema)

@@ -1,0 +1,366 @@
+"""The worker socket's messages as typed values, both ways: `parse_worker_message` and
+`parse_api_message` read them (MessageError on anything off the contract), `to_wire()` writes them.
+The API parses what workers send and builds what it sends them; the worker program does the reverse."""
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from potocolom.protocol.errors import MessageError
+from potocolom.protocol.rungs import RUNG_FULL, RUNGS
+
+MAX_MODELS = 1000  # model entries in one hello
+REASON_CHARS = 500  # session_refused.reason is a short message
+
+
+# --- field readers ---------------------------------------------------------------------------------
+
+def _str(message: dict[str, Any], name: str, *, max_length: int = 200) -> str:
+    value = message.get(name)
+    if not isinstance(value, str) or not value or len(value) > max_length:
+        raise MessageError(f"{name} must be a non-empty string of at most {max_length} characters")
+    return value
+
+
+def _int(message: dict[str, Any], name: str, *, minimum: int = 0) -> int:
+    value = message.get(name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise MessageError(f"{name} must be an integer of at least {minimum}")
+    return value
+
+
+def _number_or_none(message: dict[str, Any], name: str) -> float | None:
+    value = message.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise MessageError(f"{name} must be a number of at least 0, or null")
+    return float(value)
+
+
+def _uuid(message: dict[str, Any], name: str) -> str:
+    value = _str(message, name, max_length=64)
+    try:
+        return str(uuid.UUID(value))
+    except ValueError:
+        raise MessageError(f"{name} must be a UUID string") from None
+
+
+def _object_or_none(message: dict[str, Any], name: str) -> dict[str, Any] | None:
+    value = message.get(name)
+    if value is not None and not isinstance(value, dict):
+        raise MessageError(f"{name} must be an object or null")
+    return value
+
+
+class Message:
+    """A message of the worker socket: `type` on the wire, the fields of its dataclass beside it."""
+
+    type: ClassVar[str]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"type": self.type, **self.__dict__}
+
+
+# --- worker -> API ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """A model a worker serves, in its hello (and its rung_changed): realtime only on rung full."""
+
+    model_id: str
+    rung: str
+    realtime: bool = False
+    frame_ms_p95: float | None = None
+    realtime_slots: int = 0
+
+    def to_wire(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    @classmethod
+    def parse(cls, entry: Any) -> ModelEntry:
+        if not isinstance(entry, dict):
+            raise MessageError("each entry of models must be an object")
+        rung = entry.get("rung")
+        if rung not in RUNGS:
+            raise MessageError(f"rung must be one of {', '.join(RUNGS)}")
+        realtime = entry.get("realtime", False)
+        if not isinstance(realtime, bool):
+            raise MessageError("realtime must be a boolean")
+        slots = entry.get("realtime_slots", 0)
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 0:
+            raise MessageError("realtime_slots must be an integer of at least 0")
+        realtime = realtime and rung == RUNG_FULL
+        return cls(_str(entry, "model_id"), rung, realtime, _number_or_none(entry, "frame_ms_p95"),
+                   slots if realtime else 0)
+
+
+@dataclass(frozen=True)
+class Hello(Message):
+    type = "hello"
+    worker_id: str
+    gpu: dict[str, Any] | None
+    models: tuple[ModelEntry, ...]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"type": self.type, "worker_id": self.worker_id, "gpu": self.gpu,
+                "models": [m.to_wire() for m in self.models]}
+
+
+@dataclass(frozen=True)
+class JobStarted(Message):
+    type = "job_started"
+    job_id: str
+
+
+@dataclass(frozen=True)
+class JobProgress(Message):
+    type = "job_progress"
+    job_id: str
+    step: int
+    steps: int
+
+
+@dataclass(frozen=True)
+class JobResult(Message):
+    type = "job_result"
+    job_id: str
+    images: list[str]  # base64 PNG or JPEG
+    gpu_ms: float | None
+    rung: str
+
+
+@dataclass(frozen=True)
+class JobFailed(Message):
+    type = "job_failed"
+    job_id: str
+    error: str
+
+
+@dataclass(frozen=True)
+class RungChanged(Message):
+    """After an out-of-memory demotion: the model's whole hello entry on its new rung."""
+
+    type = "rung_changed"
+    entry: ModelEntry
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"type": self.type, **self.entry.to_wire()}
+
+
+@dataclass(frozen=True)
+class SessionAccepted(Message):
+    type = "session_accepted"
+    session_id: str
+
+
+@dataclass(frozen=True)
+class SessionRefused(Message):
+    type = "session_refused"
+    session_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class FrameResult(Message):
+    type = "frame_result"
+    session_id: str
+    seq: int
+    image: str  # bare base64 (or a data: URL), PNG or JPEG
+    gpu_ms: float | None
+    batch_size: int = 1
+
+
+@dataclass(frozen=True)
+class Heartbeat(Message):
+    type = "heartbeat"
+
+
+WorkerMessage = (Hello | JobStarted | JobProgress | JobResult | JobFailed | RungChanged | SessionAccepted
+                 | SessionRefused | FrameResult | Heartbeat)
+
+
+def _hello(message: dict[str, Any]) -> Hello:
+    gpu = _object_or_none(message, "gpu")
+    models = message.get("models")
+    if not isinstance(models, list) or len(models) > MAX_MODELS:
+        raise MessageError("models must be a list")
+    entries = tuple(ModelEntry.parse(entry) for entry in models)
+    if len({e.model_id for e in entries}) != len(entries):
+        raise MessageError("a model_id appears twice in models")
+    return Hello(_str(message, "worker_id"), gpu, entries)
+
+
+def _job_result(message: dict[str, Any]) -> JobResult:
+    images = message.get("images")
+    if not isinstance(images, list) or not images or not all(isinstance(i, str) for i in images):
+        raise MessageError("images must be a non-empty list of base64 strings")
+    rung = message.get("rung", "")
+    if not isinstance(rung, str):
+        raise MessageError("rung must be a string")
+    return JobResult(_uuid(message, "job_id"), images, _number_or_none(message, "gpu_ms"), rung)
+
+
+def _job_failed(message: dict[str, Any]) -> JobFailed:
+    error = message.get("error")
+    if not isinstance(error, str):
+        raise MessageError("error must be a string")
+    return JobFailed(_uuid(message, "job_id"), error or "failed")
+
+
+def _session_refused(message: dict[str, Any]) -> SessionRefused:
+    reason = message.get("reason", "")
+    if not isinstance(reason, str):
+        raise MessageError("reason must be a string")
+    return SessionRefused(_uuid(message, "session_id"), reason[:REASON_CHARS])
+
+
+def _frame_result(message: dict[str, Any]) -> FrameResult:
+    image = message.get("image")
+    if not isinstance(image, str) or not image:
+        raise MessageError("image must be a base64 string")
+    batch = message.get("batch_size", 1)
+    batch = batch if isinstance(batch, int) and not isinstance(batch, bool) and batch >= 1 else 1
+    return FrameResult(_uuid(message, "session_id"), _int(message, "seq"), image,
+                       _number_or_none(message, "gpu_ms"), batch)
+
+
+_WORKER_PARSERS: dict[str, Callable[[dict[str, Any]], WorkerMessage]] = {
+    "hello": _hello,
+    "job_started": lambda m: JobStarted(_uuid(m, "job_id")),
+    "job_progress": lambda m: JobProgress(_uuid(m, "job_id"), _int(m, "step"), _int(m, "steps")),
+    "job_result": _job_result,
+    "job_failed": _job_failed,
+    "rung_changed": lambda m: RungChanged(ModelEntry.parse(m)),
+    "session_accepted": lambda m: SessionAccepted(_uuid(m, "session_id")),
+    "session_refused": _session_refused,
+    "frame_result": _frame_result,
+    "heartbeat": lambda m: Heartbeat(),
+}
+
+
+class UnknownMessage(MessageError):
+    """A message of a type this side does not handle (logged, never fatal)."""
+
+
+def parse_worker_message(message: Any) -> WorkerMessage:
+    """What a worker sent (the JSON object of one text frame); MessageError when it is off the
+    contract, UnknownMessage for a type the API does not handle."""
+    if not isinstance(message, dict):
+        raise MessageError("a message must be a JSON object")
+    parser = _WORKER_PARSERS.get(str(message.get("type")))
+    if parser is None:
+        raise UnknownMessage(f"unknown message type {str(message.get('type'))[:100]!r}")
+    return parser(message)
+
+
+# --- API -> worker ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Welcome(Message):
+    type = "welcome"
+    unknown_models: list[str]
+    heartbeat_seconds: float | None  # None: not usable (the worker then uses its own default)
+    frame_budget_ms: float | None = None
+
+
+@dataclass(frozen=True)
+class JobOrder(Message):
+    """`job`: a job for the worker to run."""
+
+    type = "job"
+    job_id: str
+    attempt: int
+    model_id: str
+    params: Any = field(default_factory=dict)  # checked by the pipeline that runs it
+
+
+@dataclass(frozen=True)
+class Cancel(Message):
+    type = "cancel"
+    job_id: str
+
+
+@dataclass(frozen=True)
+class SessionStart(Message):
+    type = "session_start"
+    session_id: str
+    model_id: str
+    params: Any = field(default_factory=dict)  # width, height, steps as integers (checked by the worker)
+
+
+@dataclass(frozen=True)
+class SessionEnd(Message):
+    type = "session_end"
+    session_id: str
+
+
+@dataclass(frozen=True)
+class FrameOrder(Message):
+    """`frame`: a browser's frame for a live session (image bare base64, params the browser's own)."""
+
+    type = "frame"
+    session_id: str
+    seq: int
+    image: str
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+ApiMessage = Welcome | JobOrder | Cancel | SessionStart | SessionEnd | FrameOrder
+
+
+def _id(message: dict[str, Any], name: str) -> str:
+    """An id the worker echoes as received: any non-empty string."""
+    return _str(message, name, max_length=200)
+
+
+def _attempt(message: dict[str, Any]) -> int:
+    value = message.get("attempt")
+    return value if isinstance(value, int) and not isinstance(value, bool) else 1
+
+
+def _welcome(message: dict[str, Any]) -> Welcome:
+    period = message.get("heartbeat_seconds")
+    usable = not isinstance(period, bool) and isinstance(period, (int, float)) and period > 0
+    unknown = message.get("unknown_models") or []
+    budget = message.get("frame_budget_ms")
+    return Welcome([str(m) for m in unknown] if isinstance(unknown, list) else [],
+                   float(period) if usable else None,  # type: ignore[arg-type]
+                   float(budget) if isinstance(budget, (int, float)) and not isinstance(budget, bool) else None)
+
+
+def _frame_order(message: dict[str, Any]) -> FrameOrder:
+    seq = message.get("seq")
+    if isinstance(seq, bool) or not isinstance(seq, int):
+        raise MessageError(f"seq must be an integer, got {seq!r}"[:200])
+    image = message.get("image")
+    if not isinstance(image, str) or not image:
+        raise MessageError("image must be a non-empty base64 string")
+    params = message.get("params")
+    params = {} if params is None else params
+    if not isinstance(params, dict):
+        raise MessageError(f"params must be a JSON object, got {type(params).__name__}")
+    return FrameOrder(_id(message, "session_id"), seq, image, params)
+
+
+_API_PARSERS: dict[str, Callable[[dict[str, Any]], ApiMessage]] = {
+    "welcome": _welcome,
+    "job": lambda m: JobOrder(_id(m, "job_id"), _attempt(m), _id(m, "model_id"), m.get("params", {})),
+    "cancel": lambda m: Cancel(_id(m, "job_id")),
+    "session_start": lambda m: SessionStart(_id(m, "session_id"), _id(m, "model_id"), m.get("params")),
+    "session_end": lambda m: SessionEnd(_id(m, "session_id")),
+    "frame": _frame_order,
+}
+
+
+def parse_api_message(message: Any) -> ApiMessage:
+    """What the API sent a worker; MessageError when it is off the contract, UnknownMessage for a
+    type the worker does not handle."""
+    if not isinstance(message, dict):
+        raise MessageError("a message must be a JSON object")
+    parser = _API_PARSERS.get(str(message.get("type")))
+    if parser is None:
+        raise UnknownMessage(f"unknown message type {str(message.get('type'))[:100]!r}")
+    return parser(message)

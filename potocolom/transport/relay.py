@@ -1,0 +1,262 @@
+"""Delivery between consumers: in memory to a consumer of this process, over the bus (one Redis
+PUBLISH) or the channel layer to another process's. Every consumer is a RelayConsumer with one
+inbox. Why and how, order and failure: docs/design/bus.md."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from typing import Any
+
+import redis
+from asgiref.sync import async_to_sync
+from channels.consumer import get_handler_name
+from channels.exceptions import StopConsumer
+from channels.generic.websocket import AsyncWebsocketConsumer
+from channels.layers import get_channel_layer
+from django.conf import settings
+
+from potocolom.transport.bus import Bus, process_of
+
+log = logging.getLogger(__name__)
+
+_inboxes: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[dict[str, Any]]]] = {}
+_members: dict[str, set[str]] = {}  # group -> this process's channels in it (through group_membership)
+GROUP_TARGET = "group:"  # a bus target naming a group: every local member of it
+
+
+def is_local(channel_name: str) -> bool:
+    return channel_name in _inboxes
+
+
+def deliver_local(channel_name: str, message: dict[str, Any]) -> bool:
+    """Put the message into a local consumer's inbox (every local member's, for a `group:` target);
+    False when there is none here."""
+    if channel_name.startswith(GROUP_TARGET):
+        members = list(_members.get(channel_name[len(GROUP_TARGET):], ()))
+        return sum(deliver_local(member, message) for member in members) > 0
+    entry = _inboxes.get(channel_name)
+    if entry is None:
+        return False
+    loop, inbox = entry
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is loop:
+        inbox.put_nowait(message)
+        return True
+    try:
+        loop.call_soon_threadsafe(inbox.put_nowait, message)
+    except RuntimeError:  # that loop is closed: the consumer is gone
+        return False
+    return True
+
+
+# --- between processes: the bus (one PUBLISH) when Redis is there, the channel layer otherwise ---
+
+_bus: Bus | None = None
+
+
+def _running_bus() -> Bus | None:
+    """This process's bus, while it runs."""
+    bus = _bus
+    return None if bus is None or bus.loop is None or bus.loop.is_closed() else bus
+
+
+def _in_a_thread() -> bool:
+    """No event loop runs in this thread (a sync service's): the bus is reached thread-safely."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return True
+    return False
+
+
+def _bus_target(channel_name: str) -> tuple[Bus, str] | None:
+    """The bus and the target's process, when the channel is another process's and the bus runs."""
+    bus = _running_bus()
+    if bus is None:
+        return None
+    process = process_of(channel_name)
+    if process is None or process == bus.process:
+        return None
+    return bus, process
+
+
+async def _ensure_bus(layer: Any) -> None:
+    """Start this process's end of the bus (REDIS_URL, a RedisChannelLayer) on the running loop."""
+    global _bus
+    if not settings.REDIS_URL or not hasattr(layer, "client_prefix"):
+        return
+    loop = asyncio.get_running_loop()
+    if _bus is not None and _bus.loop is loop:
+        await _bus.ready()  # another consumer is starting it: hand out no channel before it listens
+        return
+    bus = Bus(settings.REDIS_URL, layer.client_prefix, deliver_local)
+    _bus = bus
+    try:
+        await bus.start()
+    except Exception:  # Redis unreachable: the channel layer carries everything
+        log.exception("the process bus could not start; messages between processes use the channel layer")
+        if _bus is bus:
+            _bus = None
+
+
+async def send(channel_name: str, message: dict[str, Any]) -> None:
+    """From async code: to a consumer in this process directly, to another process's consumer over
+    the bus (or the channel layer)."""
+    if deliver_local(channel_name, message):
+        return
+    target = _bus_target(channel_name)
+    if target is not None and target[0].loop is asyncio.get_running_loop():
+        target[0].post(target[1], channel_name, message)
+        return
+    layer = get_channel_layer()
+    if layer is not None:
+        await layer.send(channel_name, message)
+
+
+def send_sync(channel_name: str, message: dict[str, Any]) -> None:
+    """From sync code (a service in a worker thread): the same as `send`."""
+    if deliver_local(channel_name, message):
+        return
+    target = _bus_target(channel_name)
+    if target is not None and _in_a_thread():
+        target[0].publish_threadsafe(target[1], channel_name, message)
+        return
+    layer = get_channel_layer()
+    if layer is not None:
+        async_to_sync(layer.send)(channel_name, message)
+
+
+class RelayConsumer(AsyncWebsocketConsumer):
+    """A websocket consumer that also takes messages from this process's senders in memory.
+
+    The same as channels' AsyncConsumer.__call__, with the local inbox as a third source beside the
+    client socket and the channel layer.
+    """
+
+    async def socket_send(self, event: dict[str, Any]) -> None:
+        """A wire message from a service for this socket's client (potocolom.transport.notify)."""
+        await self.send(text_data=json.dumps(event["message"]))
+
+    async def dispatch(self, message: dict[str, Any]) -> None:
+        """Channels' dispatch without its `aclose_old_connections()` before every message: that is a
+        hop to the one sync thread per frame (15% of an API process relaying frames). Handlers here
+        reach the database only through database_sync_to_async, which closes old connections itself."""
+        handler = getattr(self, get_handler_name(message), None)
+        if handler is None:
+            raise ValueError(f"No handler for message type {message['type']}")
+        await handler(message)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        self.scope = scope
+        self.channel_layer = get_channel_layer(self.channel_layer_alias)
+        # One inbox for everything this consumer handles: the client socket and the channel layer
+        # each feed it from a task of their own, and local senders put into it directly. (Channels'
+        # await_many_dispatch waits on a fresh task per source after every message instead: an
+        # asyncio.wait and a new task per frame.)
+        inbox: asyncio.Queue[Any] = asyncio.Queue()
+        sources = [receive]
+        if self.channel_layer is not None:
+            self.channel_name = await self.channel_layer.new_channel()
+            channel_name = self.channel_name
+
+            async def from_layer() -> dict[str, Any]:
+                return await self.channel_layer.receive(channel_name)  # type: ignore[union-attr]
+
+            sources.append(from_layer)
+        else:
+            self.channel_name = f"local.{id(self)}"
+        await _ensure_bus(self.channel_layer)
+        _inboxes[self.channel_name] = (asyncio.get_running_loop(), inbox)
+        feeds = [asyncio.create_task(_feed(source, inbox)) for source in sources]
+        self.base_send = send
+        try:
+            while True:
+                message = await inbox.get()
+                if isinstance(message, _Failed):
+                    raise message.error
+                await self.dispatch(message)
+        except StopConsumer:
+            pass
+        finally:
+            with contextlib.suppress(KeyError):
+                del _inboxes[self.channel_name]
+            for members in _members.values():
+                members.discard(self.channel_name)
+            for feed in feeds:
+                feed.cancel()
+            await asyncio.gather(*feeds, return_exceptions=True)
+
+
+class _Failed:
+    """A source that raised: the consumer raises it in turn, as channels' dispatch loop would."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+async def _feed(source: Any, inbox: asyncio.Queue[Any]) -> None:
+    """Move what a source yields into the consumer's inbox, in order, until it fails or is cancelled."""
+    try:
+        while True:
+            inbox.put_nowait(await source())
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        inbox.put_nowait(_Failed(exc))
+
+
+# Group messages are notices (wake up, cancel this): the work they announce is in the database
+# already, so a Redis that is restarting must not fail the request or the consumer that sends them.
+# A connection a restart broke fails once, then the pool opens a new one: so one retry.
+_REDIS_ERRORS = (redis.RedisError, OSError, TimeoutError)
+
+
+def group_send_sync(group: str, message: dict[str, Any]) -> None:
+    """From sync code: to every consumer in a channel-layer group, whichever process holds it
+    (retried once, then logged: never raised)."""
+    layer = get_channel_layer()
+    if layer is None:
+        return
+    for attempt in (1, 2):
+        try:
+            async_to_sync(layer.group_send)(group, message)
+            return
+        except _REDIS_ERRORS as exc:
+            if attempt == 2:
+                log.warning("could not send %s to group %s: %s", message.get("type"), group, exc)
+
+
+def group_send_others_sync(group: str, message: dict[str, Any]) -> None:
+    """From sync code: to the group's members in the other processes, a notice (never raised). One
+    PUBLISH on the bus when it runs (this process's own members are left out); without it, the
+    channel layer's group_send (to every member, this process's too)."""
+    bus = _running_bus()
+    if bus is not None and _in_a_thread():
+        bus.broadcast_threadsafe(GROUP_TARGET + group, message)
+        return
+    group_send_sync(group, message)
+
+
+async def group_membership(layer: Any, group: str, channel_name: str, *, join: bool = True) -> bool:
+    """Join (or leave) a channel-layer group, retried once; False (logged) when Redis is away. The
+    membership counts here at once, for notices that come over the bus."""
+    if join:
+        _members.setdefault(group, set()).add(channel_name)
+    elif group in _members:
+        _members[group].discard(channel_name)
+    for attempt in (1, 2):
+        try:
+            if join:
+                await layer.group_add(group, channel_name)
+            else:
+                await layer.group_discard(group, channel_name)
+            return True
+        except _REDIS_ERRORS as exc:
+            if attempt == 2:
+                log.warning("could not %s group %s: %s", "join" if join else "leave", group, exc)
+    return False

@@ -1,0 +1,47 @@
+"""Every domain error's answer, in one place: its HTTP status (REST) and its close code (sockets).
+
+REST errors answer with the contract's body `{"error": CODE, "detail": ...}`; nothing a client sends
+may produce a 500."""
+from __future__ import annotations
+
+from rest_framework import exceptions, status
+from rest_framework.response import Response
+from rest_framework.views import exception_handler
+
+from potocolom.protocol import close_codes
+from potocolom.protocol.errors import DomainError, InvalidRequest
+
+HTTP_STATUS = {
+    "invalid_request": status.HTTP_400_BAD_REQUEST,
+    "unknown_model": status.HTTP_400_BAD_REQUEST,
+    "invalid_params": status.HTTP_400_BAD_REQUEST,
+    "no_matching_model": status.HTTP_400_BAD_REQUEST,
+    "job_already_ended": status.HTTP_409_CONFLICT,
+}
+CLOSE_CODE = {
+    "bad_query": close_codes.BAD_QUERY,
+    "not_authenticated": close_codes.NOT_AUTHENTICATED,
+    "session_limit": close_codes.SESSION_LIMIT,
+    "no_model_fits": close_codes.NO_MODEL_FITS,
+}
+
+
+def status_of(error: DomainError) -> int:
+    return HTTP_STATUS.get(error.code, status.HTTP_400_BAD_REQUEST)
+
+
+def close_code_of(error: DomainError) -> int:
+    return CLOSE_CODE.get(error.code, close_codes.BAD_QUERY)
+
+
+def api_exception_handler(exc: Exception, context: dict) -> Response | None:
+    """DRF's handler, with domain errors and validation errors in the contract's body."""
+    if isinstance(exc, DomainError):
+        return Response({"error": exc.code, "detail": exc.detail}, status=status_of(exc))
+    if isinstance(exc, exceptions.ValidationError):
+        detail = exc.detail if isinstance(exc.detail, dict) else {"non_field_errors": exc.detail}
+        return Response({"error": InvalidRequest.code, "detail": detail}, status=status.HTTP_400_BAD_REQUEST)
+    if isinstance(exc, exceptions.ParseError):
+        return Response({"error": InvalidRequest.code, "detail": {"non_field_errors": [str(exc.detail)]}},
+                        status=status.HTTP_400_BAD_REQUEST)
+    return exception_handler(exc, context)

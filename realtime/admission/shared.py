@@ -1,0 +1,349 @@
+"""The shared admission: several API processes (JOB_QUEUE=redis, PostgreSQL) admit as one. The queue,
+the slots and the positions told live in the rows; admissions follow one another under an advisory
+lock; each process keeps its own browsers' frames and routes in its board. docs/design/shared-admission.md."""
+from __future__ import annotations
+
+import logging
+import uuid
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.conf import settings
+from django.contrib.auth.models import User
+from django.db import transaction
+from django.db.models import F
+from django.utils import timezone
+
+from potocolom.protocol.browser import Live, Queued
+from potocolom.protocol.worker import ModelEntry, SessionEnd, SessionStart
+from potocolom.transport.notify import notify_after_commit, to_socket_after_commit
+from realtime import policy
+from realtime.admission.presence import Presence, admission_lock, alive_processes
+from realtime.board import SessionBoard, SessionEntry
+from realtime.errors import SessionLimitReached
+from realtime.models import HOLDING_STATES, OPEN_STATES, RealtimeSession, SessionState
+from realtime.policy import Placement, QueuedSession, SlotKey
+from realtime.records import session_row_close, to_microseconds, usage_close, usage_open
+from workers import selectors as worker_rows
+
+log = logging.getLogger(__name__)
+
+
+def worker_window_seconds() -> float:
+    """A worker seen longer ago than this is dead (3 silent heartbeat periods, noticed within 4)."""
+    return 4 * settings.WORKER_HEARTBEAT_SECONDS
+
+
+def presence_grace_seconds() -> float:
+    """After a PostgreSQL restart, no process counts as dead for lacking its presence lock for this
+    long: the restart took every process's lock, and each takes it again at its next sweep tick
+    (every SESSION_SWEEP_SECONDS) or browser join."""
+    return 2 * settings.SESSION_SWEEP_SECONDS
+
+
+def resume_window() -> timedelta:
+    """How long after its process was found gone a session keeps its place for its browser: the
+    contract's dead-worker window (4 heartbeat periods), which a worker whose API process died also
+    gets to come back and keep its jobs."""
+    return timedelta(seconds=worker_window_seconds())
+
+
+def capacities(now: datetime) -> tuple[dict[SlotKey, int], dict[str, str]]:
+    """The realtime slots of every connected worker of every process, and each worker's channel."""
+    budget = settings.FRAME_BUDGET_MS
+    capacity: dict[SlotKey, int] = {}
+    channels: dict[str, str] = {}
+    for worker in worker_rows.connected_workers(seconds=worker_window_seconds(), now=now):
+        channels[worker.worker_id] = worker.channel_name
+        for entry in worker.models:
+            capacity[(worker.worker_id, entry["model_id"])] = policy.model_slots(
+                realtime=bool(entry.get("realtime")), frame_ms_p95=entry.get("frame_ms_p95"),
+                realtime_slots=int(entry.get("realtime_slots") or 0), frame_budget_ms=budget)
+    return capacity, channels
+
+
+class SharedAdmission:
+    """SessionAdmission for several API processes on one PostgreSQL database."""
+
+    def __init__(self) -> None:
+        self.board = SessionBoard()
+        self.presence = Presence()
+
+    def load(self, *, now: datetime) -> None:
+        """Nothing to load: the other processes' sessions are alive (the sweep closes orphans)."""
+
+    def end_on_worker(self, worker_id: str | None, session_id: str, channel: str | None = None) -> None:
+        channel = channel or worker_rows.channel_of(worker_id)
+        if channel:
+            to_socket_after_commit(channel, SessionEnd(session_id).to_wire())
+
+    # admission
+
+    def admit(self, *, now: datetime) -> list[Placement]:
+        """First fit over the global queue under the admission lock; session_start and positions go
+        out after the commit."""
+        with transaction.atomic():
+            admission_lock()
+            rows = {str(row[0]): row for row in RealtimeSession.objects.filter(
+                state__in=(SessionState.QUEUED, *HOLDING_STATES)).values_list(
+                "id", "state", "model_id", "joined_at", "worker_id", "refused_by", "told_position", "channel_name",
+                "params")}
+            queued = [QueuedSession(sid, row[2], to_microseconds(row[3]), frozenset(row[5] or ()))
+                      for sid, row in rows.items() if row[1] == SessionState.QUEUED]
+            held = [(row[4], row[2]) for row in rows.values() if row[1] in HOLDING_STATES and row[4]]
+            capacity, channels = capacities(now)
+            placed = []
+            for placement in policy.first_fit(queued, policy.free_slots(capacity, held)):
+                if RealtimeSession.objects.filter(id=placement.session_id, state=SessionState.QUEUED).update(
+                        state=SessionState.PLACING, worker_id=placement.worker_id, told_position=None,
+                        placements=F("placements") + 1) != 1:
+                    continue  # closed meanwhile
+                placed.append(placement)
+                row = rows[placement.session_id]
+                start = SessionStart(placement.session_id, placement.model_id, dict(row[8] or {}))
+                # the browser's channel goes along: the worker's process routes frame results by it
+                to_socket_after_commit(channels[placement.worker_id], start.to_wire(), browser=row[7])
+            taken = {p.session_id for p in placed}
+            changed = []
+            for sid, place in policy.positions(q for q in queued if q.session_id not in taken).items():
+                if rows[sid][6] != place:
+                    changed.append(RealtimeSession(id=sid, told_position=place))
+                    if rows[sid][7]:
+                        to_socket_after_commit(rows[sid][7], Queued(place).to_wire())
+            if changed:
+                RealtimeSession.objects.bulk_update(changed, ["told_position"])
+        return placed
+
+    # joining and leaving
+
+    def join(self, *, account: User, model_id: str, params: dict[str, int], channel_name: str,
+             now: datetime) -> RealtimeSession:
+        """Open a session in the global queue unless the account holds ACCOUNT_SESSION_LIMIT open
+        sessions on any process. Sessions whose process died first close (their sockets are gone); a
+        browser coming back from one of them takes its place (`_resume_place`)."""
+        key = self.presence.ensure()
+        session_id = uuid.uuid4()
+        with transaction.atomic():
+            User.objects.select_for_update().filter(pk=account.pk).values_list("pk", flat=True).first()
+            orphans = self._close_orphans(RealtimeSession.objects.filter(account=account), now=now)
+            held = RealtimeSession.objects.filter(account=account, state__in=OPEN_STATES).count()
+            if held >= settings.ACCOUNT_SESSION_LIMIT:
+                raise SessionLimitReached(f"the account already holds {held} sessions")
+            joined = self._resume_place(account=account, model_id=model_id, params=params, session_id=session_id,
+                                        now=now) or now
+            session = RealtimeSession.objects.create(id=session_id, account=account, model_id=model_id,
+                                                     params=params, joined_at=joined, channel_name=channel_name,
+                                                     api_process=key)
+        for worker_id, ended_id in orphans:
+            self.end_on_worker(worker_id, ended_id)
+        self.board.add(SessionEntry(str(session.id), account.pk, model_id, to_microseconds(joined), params),
+                       browser=channel_name)
+        self.admit(now=now)
+        return session
+
+    def _resume_place(self, *, account: User, model_id: str, params: dict[str, int], session_id: uuid.UUID,
+                      now: datetime) -> datetime | None:
+        """Inside the join's transaction (the account's row locked): the place (first join time) that
+        the new session `session_id` takes from a session of the account that died with its process
+        (the pure rule, policy.place_to_resume), which is marked resumed by it; None when there is
+        none."""
+        window = resume_window()
+        gone = [policy.GoneSession(str(sid), account.pk, model, dict(old or {}), joined, orphaned)
+                for sid, model, old, joined, orphaned in RealtimeSession.objects.filter(
+                    account=account, model_id=model_id, state=SessionState.CLOSED, resumed_by__isnull=True,
+                    orphaned_at__gte=now - window).values_list("id", "model_id", "params", "joined_at", "orphaned_at")
+                if orphaned is not None]
+        while (chosen := policy.place_to_resume(gone, account_id=account.pk, model_id=model_id, params=params,
+                                                now=now, window=window)) is not None:
+            if RealtimeSession.objects.filter(id=chosen.session_id, resumed_by__isnull=True).update(
+                    resumed_by=session_id) == 1:
+                log.info("session %s takes the place of session %s, whose API process died", session_id,
+                         chosen.session_id)
+                return chosen.joined_at
+            gone = [g for g in gone if g.session_id != chosen.session_id]
+        return None
+
+    def _close_orphans(self, sessions: Any, *, now: datetime, resumable: bool = True) -> list[tuple[str | None, str]]:
+        """Close the open sessions (of the queryset `sessions`) whose process is gone, noting when (their
+        browsers' reconnects may take their places, unless not `resumable`); the (worker, session) pairs
+        that held a slot, whose workers must get session_end after the commit."""
+        if worker_rows.database_up_for_less_than(seconds=presence_grace_seconds(), now=now):
+            return []  # the processes are taking their presence locks back after a restart of the database
+        alive = alive_processes()
+        ended = []
+        for session_id, state, worker_id in sessions.filter(state__in=OPEN_STATES).exclude(
+                api_process__in=alive).values_list("id", "state", "worker_id"):
+            if resumable:
+                RealtimeSession.objects.filter(id=session_id, state__in=OPEN_STATES).update(orphaned_at=now)
+            session_row_close(session_id=str(session_id), now=now)
+            if state in HOLDING_STATES:
+                ended.append((worker_id, str(session_id)))
+        if ended:
+            log.info("closed %d sessions of API processes that are gone", len(ended))
+        return ended
+
+    def close(self, *, session_id: str, now: datetime) -> None:
+        """The browser socket closed: the row closes; a worker holding it gets session_end."""
+        _, route = self.board.remove(session_id)
+        with transaction.atomic():
+            row = RealtimeSession.objects.select_for_update().filter(id=session_id, state__in=OPEN_STATES) \
+                .values_list("state", "worker_id").first()
+            session_row_close(session_id=session_id, now=now)
+        if row is not None and row[0] in HOLDING_STATES:
+            self.end_on_worker(row[1], session_id, route.worker if route else None)
+        self.admit(now=now)
+
+    def end(self, *, session_id: str, now: datetime) -> bool:
+        """Operators: end a session. Its socket's process closes it; a session whose process is gone
+        closes at once."""
+        row = RealtimeSession.objects.filter(id=session_id, state__in=OPEN_STATES) \
+            .values_list("channel_name", "api_process").first()
+        if row is None:
+            return False
+        if row[0] and row[1] in alive_processes():
+            notify_after_commit(row[0], {"type": "session.end"})
+            return True
+        with transaction.atomic():
+            ended = self._close_orphans(RealtimeSession.objects.filter(id=session_id), now=now, resumable=False)
+            session_row_close(session_id=session_id, now=now)
+        for worker_id, sid in ended:
+            self.end_on_worker(worker_id, sid)
+        self.admit(now=now)
+        return True
+
+    # on the worker's side
+
+    def accept(self, *, worker_id: str, session_id: str, channel_name: str, now: datetime) -> bool:
+        """The worker took the session: live, metering starts, and the browser's process is told
+        (`session.live`, with this worker's channel and the placement's number). A stale accept gets
+        session_end."""
+        with transaction.atomic():
+            row = RealtimeSession.objects.select_for_update().filter(
+                id=session_id, worker_id=worker_id, state=SessionState.PLACING).values_list(
+                "account_id", "model_id", "channel_name", "placements").first()
+            if row is not None:
+                RealtimeSession.objects.filter(id=session_id).update(state=SessionState.LIVE, live_since=now)
+                usage_open(account_id=row[0], model_id=row[1], session_id=session_id, worker_id=worker_id, now=now)
+        if row is None:
+            self.end_on_worker(worker_id, session_id, channel_name)
+            return False
+        notify_after_commit(row[2], {"type": "session.live", "worker_id": worker_id, "worker_channel": channel_name,
+                                     "placement": row[3], "message": Live(row[1], worker_id).to_wire()})
+        return True
+
+    def refuse(self, *, worker_id: str, session_id: str, now: datetime) -> bool:
+        """That placement failed: the session waits at its old place, not offered to that worker again."""
+        with transaction.atomic():
+            refused = RealtimeSession.objects.select_for_update().filter(
+                id=session_id, worker_id=worker_id, state=SessionState.PLACING).values_list(
+                "refused_by", flat=True).first()
+            if refused is None:
+                return False
+            RealtimeSession.objects.filter(id=session_id).update(
+                state=SessionState.QUEUED, worker_id=None, refused_by=sorted({*refused, worker_id}))
+        self.admit(now=now)
+        return True
+
+    def _send_back(self, *, now: datetime, end_on: str | None = None, **which: Any) -> None:
+        """The sessions (filtered by `which`) that hold a slot go back to the queue at their old places;
+        metering stops; each browser's process hears `session.back`; admission runs."""
+        with transaction.atomic():
+            rows = list(RealtimeSession.objects.select_for_update().filter(state__in=HOLDING_STATES, **which)
+                        .values_list("id", "channel_name", "placements"))
+            RealtimeSession.objects.filter(id__in=[row[0] for row in rows]).update(
+                state=SessionState.QUEUED, worker_id=None, live_since=None, told_position=None)
+            for row in rows:
+                usage_close(session_id=str(row[0]), now=now)
+        for session_id, channel, placement in rows:
+            if channel:
+                notify_after_commit(channel, {"type": "session.back", "placement": placement})
+            if end_on:
+                to_socket_after_commit(end_on, SessionEnd(str(session_id)).to_wire())
+        self.admit(now=now)
+
+    def worker_joined(self, *, worker_id: str, channel_name: str, models: list[ModelEntry], previous_channel: str,
+                      now: datetime) -> None:
+        """A worker's hello (its row holds its channel and model entries by now): its earlier refusals
+        are forgotten, sessions an earlier connection of it held go back to the queue (a new
+        connection starts afresh), and admission runs."""
+        with transaction.atomic():
+            for session_id, refused in RealtimeSession.objects.filter(
+                    state=SessionState.QUEUED, refused_by__contains=[worker_id]).values_list("id", "refused_by"):
+                RealtimeSession.objects.filter(id=session_id).update(refused_by=[w for w in refused if w != worker_id])
+        if previous_channel and previous_channel != channel_name:
+            self._send_back(now=now, worker_id=worker_id)
+        else:
+            self.admit(now=now)
+
+    def worker_lost(self, *, worker_id: str, channel_name: str, still_current: bool, now: datetime) -> None:
+        """A worker connection closed: unless a newer one took over (on any process: `still_current`
+        is false then), its sessions go back to the queue."""
+        if still_current:
+            self._send_back(now=now, worker_id=worker_id)
+
+    def worker_rung_changed(self, *, worker_id: str, entry: ModelEntry, channel_name: str, now: datetime) -> None:
+        """After a demotion to no slots, the model's sessions on that worker go back and get
+        session_end. (The worker's row holds the new entry by now: admission reads the slots there.)"""
+        slots = policy.model_slots(realtime=entry.realtime, frame_ms_p95=entry.frame_ms_p95,
+                                   realtime_slots=entry.realtime_slots, frame_budget_ms=settings.FRAME_BUDGET_MS)
+        if slots > 0:
+            self.admit(now=now)
+            return
+        self._send_back(now=now, end_on=channel_name or worker_rows.channel_of(worker_id), worker_id=worker_id,
+                        model_id=entry.model_id)
+
+    # the sweep, in one process at a time
+
+    def sweep(self, *, now: datetime) -> None:
+        """In the process holding the sweep lock: refusals are forgotten, sessions of dead processes
+        close, sessions held by workers no process has seen within the dead-worker window go back,
+        and admission runs."""
+        if not self.presence.try_lead():
+            return
+        RealtimeSession.objects.filter(state=SessionState.QUEUED).exclude(refused_by=[]).update(refused_by=[])
+        with transaction.atomic():
+            ended = self._close_orphans(RealtimeSession.objects.all(), now=now)
+        for worker_id, session_id in ended:
+            self.end_on_worker(worker_id, session_id)
+        stale = worker_rows.silent_ids(seconds=worker_window_seconds(), now=now)
+        if stale and RealtimeSession.objects.filter(state__in=HOLDING_STATES, worker_id__in=stale).exists():
+            self._send_back(now=now, worker_id__in=stale)
+        else:
+            self.admit(now=now)
+
+    # what operators see
+
+    def positions(self) -> dict[str, int]:
+        queued = [QueuedSession(str(sid), model_id, to_microseconds(joined))
+                  for sid, model_id, joined in RealtimeSession.objects.filter(state=SessionState.QUEUED)
+                  .values_list("id", "model_id", "joined_at")]
+        return policy.positions(queued)
+
+    def free(self) -> dict[SlotKey, int]:
+        capacity, _ = capacities(timezone.now())
+        held = RealtimeSession.objects.filter(state__in=HOLDING_STATES).values_list("worker_id", "model_id")
+        return policy.free_slots(capacity, [(w, m) for w, m in held if w])
+
+    def snapshot(self) -> dict[str, Any]:
+        """The global queue in order with positions; per connected worker its slots and sessions."""
+        places = self.positions()
+        rows = list(RealtimeSession.objects.filter(state__in=(SessionState.QUEUED, *HOLDING_STATES))
+                    .values_list("id", "model_id", "account_id", "state", "worker_id"))
+        queued = sorted((places[str(sid)], str(sid), model_id, account_id)
+                        for sid, model_id, account_id, state, _ in rows if state == SessionState.QUEUED)
+        queue = [{"session_id": sid, "model_id": model_id, "position": place, "account_id": account_id}
+                 for place, sid, model_id, account_id in queued]
+        capacity, _ = capacities(timezone.now())
+        free_now = policy.free_slots(capacity, [(w, m) for _, m, _, s, w in rows if s in HOLDING_STATES and w])
+        workers: dict[str, Any] = {}
+        for (worker_id, model_id), count in sorted(capacity.items()):
+            entry = workers.setdefault(worker_id, {"slots": [], "sessions": [
+                {"session_id": str(sid), "model_id": m, "state": s} for sid, m, _, s, w in rows
+                if w == worker_id and s in HOLDING_STATES]})
+            entry["slots"].append({"model_id": model_id, "slots": count,
+                                   "free": free_now.get((worker_id, model_id), 0)})
+        return {"sessions": queue, "workers": workers}
+
+    def release(self) -> None:
+        """Let go of this process's presence and sweep locks."""
+        self.presence.close()

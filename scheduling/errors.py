@@ -1,0 +1,10 @@
+"""Why a job operation cannot be done (potocolom.web maps each code to its HTTP status)."""
+from __future__ import annotations
+
+from potocolom.protocol.errors import DomainError
+
+
+class JobAlreadyEnded(DomainError):
+    """The job has already ended."""
+
+    code = "job_already_ended"

@@ -1,0 +1,76 @@
+"""The operator UI: staff only, and it shows manifests, jobs in queue order with positions, and workers."""
+from __future__ import annotations
+
+import pytest
+from django.test import Client
+from django.utils import timezone
+
+from tests.helpers import register_model
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def staff_client(make_account) -> Client:
+    root = make_account("root", staff=True)
+    root.is_superuser = True  # as `create_account --staff` makes it
+    root.save()
+    client = Client()
+    client.force_login(root)
+    return client
+
+
+def test_it_sends_non_staff_to_the_login_page(alice) -> None:
+    client = Client()
+    client.force_login(alice)
+    response = client.get("/admin/scheduling/job/")
+    assert response.status_code == 302 and "/admin/login/" in response["Location"]
+
+
+@pytest.mark.parametrize("path", ["/admin/models_registry/modelmanifest/", "/admin/scheduling/job/",
+                                  "/admin/workers/worker/", "/admin/workers/workertoken/"])
+def test_it_shows_every_operator_page_to_staff(staff_client: Client, path: str) -> None:
+    assert staff_client.get(path).status_code == 200
+
+
+def test_it_lists_queued_jobs_in_dispatch_order_with_positions(staff_client: Client, alice,
+                                                               django_capture_on_commit_callbacks) -> None:
+    from scheduling.services import JobRequest, job_submit
+
+    register_model("model-a")
+    with django_capture_on_commit_callbacks(execute=True):
+        low = job_submit(account=alice, now=timezone.now(),
+                         request=JobRequest(params={"prompt": "low"}, model_id="model-a", priority=0))
+        high = job_submit(account=alice, now=timezone.now(),
+                          request=JobRequest(params={"prompt": "high"}, model_id="model-a", priority=5))
+    page = staff_client.get("/admin/scheduling/job/?order=queue").content.decode()
+    assert page.index(str(high.id)) < page.index(str(low.id))
+
+
+def test_it_cancels_and_requeues_jobs_from_the_admin(staff_client: Client, alice,
+                                                     django_capture_on_commit_callbacks) -> None:
+    from scheduling.models import Job, JobState
+    from scheduling.services import JobRequest, job_submit
+
+    register_model("model-a")
+    with django_capture_on_commit_callbacks(execute=True):
+        job = job_submit(account=alice, now=timezone.now(),
+                         request=JobRequest(params={"prompt": "x"}, model_id="model-a"))
+    staff_client.post("/admin/scheduling/job/", {"action": "cancel_jobs", "_selected_action": [str(job.id)]})
+    assert Job.objects.get(id=job.id).state == JobState.CANCELLED
+    staff_client.post("/admin/scheduling/job/", {"action": "requeue_jobs", "_selected_action": [str(job.id)]})
+    assert Job.objects.get(id=job.id).state == JobState.QUEUED
+
+
+def test_it_shows_each_workers_models_with_their_rungs(staff_client: Client) -> None:
+    from workers.models import Worker
+
+    Worker.objects.create(worker_id="host-a:0", connected=True,
+                          gpu={"name": "NVIDIA H200", "total_mib": 143771, "free_mib": 140000}, served_models=[
+                              {"model_id": "tiny-a", "rung": "full", "realtime": True, "realtime_slots": 3},
+                              {"model_id": "big-b", "rung": "group_offload", "realtime": False, "realtime_slots": 0}])
+
+    page = staff_client.get("/admin/workers/worker/").content.decode()
+
+    assert "tiny-a (full, 3 realtime slots)" in page and "big-b (group_offload)" in page
+    assert "NVIDIA H200: 140000 of 143771 MiB free" in page

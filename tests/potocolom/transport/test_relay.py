@@ -1,0 +1,101 @@
+"""potocolom.transport.relay: a consumer of this process gets its messages in memory, in order, from async
+and sync senders alike; a channel of another process still goes through the channel layer."""
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from channels.layers import get_channel_layer
+from channels.testing import WebsocketCommunicator
+
+from potocolom.transport import relay
+from potocolom.transport.relay import RelayConsumer
+
+
+class Echo(RelayConsumer):
+    """Says its channel name, then writes each `relay.echo` message's text to its socket."""
+
+    async def connect(self) -> None:
+        await self.accept()
+        await self.send(text_data=self.channel_name)
+
+    async def relay_echo(self, event: dict[str, Any]) -> None:
+        await self.send(text_data=event["text"])
+
+
+@pytest.fixture
+def layer_refuses(monkeypatch):
+    """A channel layer whose send fails: what still arrives did not go through it."""
+    layer = get_channel_layer()
+
+    async def refuse(channel: str, message: dict[str, Any]) -> None:
+        raise AssertionError(f"{channel} went through the channel layer")
+
+    monkeypatch.setattr(layer, "send", refuse)
+
+
+async def test_a_local_consumer_gets_messages_in_memory_and_in_order(layer_refuses, db):
+    # (db: channels' websocket_disconnect closes the sync thread's old database connections)
+    communicator = WebsocketCommunicator(Echo.as_asgi(), "/")
+    assert (await communicator.connect())[0]
+    name = await communicator.receive_from()
+    assert relay.is_local(name)
+
+    await relay.send(name, {"type": "relay.echo", "text": "from the loop"})
+
+    def from_a_thread() -> None:  # a service in a worker thread, with no event loop of its own
+        for n in range(50):
+            relay.send_sync(name, {"type": "relay.echo", "text": f"sync {n}"})
+
+    await asyncio.to_thread(from_a_thread)
+    assert await communicator.receive_from() == "from the loop"
+    assert [await communicator.receive_from() for _ in range(50)] == [f"sync {n}" for n in range(50)]
+
+    await communicator.disconnect()
+    assert not relay.is_local(name), "a consumer that ended is no longer a local channel"
+
+
+async def test_a_channel_that_is_not_local_goes_through_the_channel_layer():
+    layer = get_channel_layer()
+    name = await layer.new_channel()
+    assert not relay.is_local(name)
+
+    await relay.send(name, {"type": "relay.echo", "text": "async"})
+    await asyncio.to_thread(relay.send_sync, name, {"type": "relay.echo", "text": "sync"})
+
+    assert await layer.receive(name) == {"type": "relay.echo", "text": "async"}
+    assert await layer.receive(name) == {"type": "relay.echo", "text": "sync"}
+
+
+async def test_a_group_target_reaches_every_local_member_and_none_after_it_left(layer_refuses, db):
+    """What the bus hands over for `group:G` (a notice for G's members in this process)."""
+    layer = get_channel_layer()
+    communicators = [WebsocketCommunicator(Echo.as_asgi(), "/") for _ in range(3)]
+    names = []
+    for communicator in communicators:
+        assert (await communicator.connect())[0]
+        names.append(await communicator.receive_from())
+    for name in names[:2]:
+        assert await relay.group_membership(layer, "notices", name)
+
+    assert relay.deliver_local("group:notices", {"type": "relay.echo", "text": "wake"})
+    assert [await c.receive_from() for c in communicators[:2]] == ["wake", "wake"]
+    assert await communicators[2].receive_nothing(0.05), "not a member"
+
+    await relay.group_membership(layer, "notices", names[0], join=False)
+    await communicators[1].disconnect()  # a consumer that ended is no member either
+    assert not relay.deliver_local("group:notices", {"type": "relay.echo", "text": "again"})
+    assert await communicators[0].receive_nothing(0.05)
+    for communicator in (communicators[0], communicators[2]):
+        await communicator.disconnect()
+
+
+async def test_without_the_bus_a_notice_for_the_others_is_a_group_send_to_every_member():
+    layer = get_channel_layer()
+    name = await layer.new_channel()
+    await layer.group_add("others", name)
+
+    await asyncio.to_thread(relay.group_send_others_sync, "others", {"type": "jobs.available"})
+
+    assert await layer.receive(name) == {"type": "jobs.available"}

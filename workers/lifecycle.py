@@ -1,0 +1,112 @@
+"""A worker's life as the API sees it: hello, heartbeat, demotion, death. The one place that fans out
+to both scheduling (held jobs, dispatch) and realtime (slots, admission); the worker consumer only
+translates. Also what operators see of both at once (`queues_snapshot`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from channels.db import database_sync_to_async
+from django.utils import timezone
+
+from potocolom.protocol.worker import Hello, ModelEntry
+from realtime import selectors as session_reads
+from realtime import services as sessions
+from scheduling import selectors as job_reads
+from scheduling import services as jobs
+from workers import selectors, services
+from workers.models import WorkerToken
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """What a hello decided: the entries of registered models served, the unknown model ids, and
+    the channel of the connection the worker said hello on before."""
+
+    served: list[ModelEntry]
+    unknown: list[str]
+    previous_channel: str
+
+
+def worker_arrives(*, hello: Hello, token: WorkerToken, channel_name: str, now: datetime) -> Arrival:
+    """Record a hello (before the welcome goes out)."""
+    record = services.worker_hello(worker_id=hello.worker_id, token=token, gpu=hello.gpu, models=hello.models,
+                                   channel_name=channel_name, now=now)
+    return Arrival(record.served, record.unknown, record.previous_channel)
+
+
+def worker_connected(*, worker_id: str, channel_name: str, arrival: Arrival, now: datetime) -> str | None:
+    """After the welcome: the worker keeps the jobs it held and gets work, and its realtime slots
+    join admission. The channel of an older connection it replaced (to be closed), if any."""
+    replaced = jobs.worker_jobs_connect(worker_id=worker_id, channel_name=channel_name,
+                                        models=[m.model_id for m in arrival.served], now=now)
+    sessions.worker_slots_set(worker_id=worker_id, channel_name=channel_name, models=arrival.served,
+                              previous_channel=arrival.previous_channel, now=now)
+    return replaced
+
+
+def worker_beats(*, worker_id: str | None, alive: bool, shared: bool, now: datetime) -> None:
+    """Every heartbeat period of a connection: with a shared queue, a live worker is seen (other
+    processes read that); workers that held jobs before this process started and did not come
+    back lose them."""
+    if shared and alive and worker_id is not None:
+        services.worker_seen(worker_id=worker_id, now=now)
+    jobs.orphans_sweep(now=now)
+
+
+def worker_lost(*, worker_id: str, channel_name: str, now: datetime) -> None:
+    """The connection is over (closed, or silent for 3 periods): its jobs follow the retry rule and
+    its sessions go back to the queue, unless a newer connection of the worker took over."""
+    current = jobs.worker_jobs_disconnect(worker_id=worker_id, channel_name=channel_name, now=now)
+    if current:
+        services.worker_gone(worker_id=worker_id, now=now)
+    still_current = services.worker_channel_clear(worker_id=worker_id, channel_name=channel_name)
+    sessions.worker_sessions_return(worker_id=worker_id, channel_name=channel_name, still_current=still_current,
+                                    now=now)
+
+
+def worker_rung_changed(*, worker_id: str, entry: ModelEntry, channel_name: str, now: datetime) -> None:
+    """After an out-of-memory demotion: the row shows the new rung, and sessions that lost their
+    slot go back to the queue."""
+    services.worker_rung_set(worker_id=worker_id, entry=entry)
+    sessions.worker_rung_changed(worker_id=worker_id, entry=entry, channel_name=channel_name, now=now)
+
+
+class DispatchSoon:
+    """Runs the dispatch once for this process however many of its worker sockets are woken at once:
+    a wake-up during a run makes one more run after it, not one per socket."""
+
+    def __init__(self) -> None:
+        self.running = False
+        self.again = False
+
+    async def __call__(self) -> None:
+        if self.running:
+            self.again = True
+            return
+        self.running = True
+        try:
+            while True:
+                self.again = False
+                await database_sync_to_async(jobs.jobs_dispatch)(now=timezone.now())
+                if not self.again:
+                    return
+        finally:
+            self.running = False
+
+
+dispatch_soon = DispatchSoon()
+
+
+def queues_snapshot() -> dict[str, Any]:
+    """What operators see: queued jobs per model, queued sessions in order, and the connected
+    workers with the jobs they hold, their free realtime slots per model and their live sessions."""
+    queued, held = job_reads.queue_snapshot()
+    sessions_now = session_reads.sessions_snapshot()
+    realtime = sessions_now["workers"]
+    workers = [{"worker_id": w.worker_id, "gpu": w.gpu, "models": w.served_models, "jobs": held.get(w.worker_id, []),
+                "slots": realtime.get(w.worker_id, {}).get("slots", []),
+                "sessions": realtime.get(w.worker_id, {}).get("sessions", [])}
+               for w in selectors.workers_by_id(list(held.keys() | realtime.keys()))]
+    return {"jobs": queued, "sessions": sessions_now["sessions"], "workers": workers}

@@ -1,0 +1,83 @@
+"""Reads of worker rows, for scheduling and realtime alike: who was seen lately, the channel of a
+worker's socket, and the model entries of the workers connected now."""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from django.db import connection
+
+from workers.liveness import silent_before, up_for_less_than
+from workers.models import Worker
+
+_started: weakref.WeakKeyDictionary[Any, datetime] = weakref.WeakKeyDictionary()
+
+
+def database_started_at() -> datetime | None:
+    """When the PostgreSQL server last started (None on other databases). Asked once per
+    connection: a server that restarts takes its connections with it."""
+    if connection.vendor != "postgresql":
+        return None
+    connection.ensure_connection()
+    raw = connection.connection
+    started = _started.get(raw)
+    if started is None:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_postmaster_start_time()")
+            started = cursor.fetchone()[0]
+        _started[raw] = started
+    return started
+
+
+def database_up_for_less_than(*, seconds: float, now: datetime) -> bool:
+    """Whether the database server started less than `seconds` before `now` (never, off PostgreSQL)."""
+    return up_for_less_than(now, seconds, database_started_at())
+
+
+def silence_cutoff(*, seconds: float, now: datetime) -> datetime:
+    """A worker last seen before this has been silent for `seconds` while the database could hear it."""
+    return silent_before(now, seconds, database_started_at())
+
+
+def seen_within(worker_ids: list[str], *, seconds: float, now: datetime) -> set[str]:
+    """Those of `worker_ids` some API process saw within `seconds` (while the database could hear)."""
+    cutoff = silence_cutoff(seconds=seconds, now=now)
+    return set(Worker.objects.filter(worker_id__in=worker_ids, last_seen__gte=cutoff)
+               .values_list("worker_id", flat=True))
+
+
+def silent_ids(*, seconds: float, now: datetime) -> list[str]:
+    """The workers no API process has seen for `seconds` (while the database could hear)."""
+    cutoff = silence_cutoff(seconds=seconds, now=now)
+    return list(Worker.objects.filter(last_seen__lt=cutoff).values_list("worker_id", flat=True))
+
+
+@dataclass(frozen=True)
+class ConnectedWorker:
+    """A worker some API process holds the socket of: where to reach it, and its hello's entries."""
+
+    worker_id: str
+    channel_name: str
+    models: list[dict[str, Any]]
+
+
+def connected_workers(*, seconds: float, now: datetime) -> list[ConnectedWorker]:
+    """The workers connected to any API process and seen within `seconds`."""
+    cutoff = silence_cutoff(seconds=seconds, now=now)
+    rows = Worker.objects.filter(connected=True, last_seen__gte=cutoff).exclude(channel_name="").values_list(
+        "worker_id", "channel_name", "served_models")
+    return [ConnectedWorker(worker_id, channel, list(served or ())) for worker_id, channel, served in rows]
+
+
+def channel_of(worker_id: str | None) -> str | None:
+    """The channel of the worker's socket, on whichever API process holds it."""
+    if not worker_id:
+        return None
+    return Worker.objects.filter(worker_id=worker_id).exclude(channel_name="") \
+        .values_list("channel_name", flat=True).first()
+
+
+def workers_by_id(worker_ids: list[str]) -> list[Worker]:
+    return list(Worker.objects.filter(worker_id__in=worker_ids))
