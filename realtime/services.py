@@ -10,6 +10,7 @@ from typing import Any
 from django.conf import settings
 from django.contrib.auth.models import User
 from django.db import transaction
+from rest_framework.authtoken.models import Token
 
 from models_registry.selectors import registered_manifests
 from potocolom.protocol.browser import Idle
@@ -31,8 +32,6 @@ def session_account(*, user: Any, token: str | None) -> User | None:
         return user
     if not token or len(token) > 200:
         return None
-    from rest_framework.authtoken.models import Token
-
     found = Token.objects.select_related("user").filter(key=token).first()
     return found.user if found is not None and found.user.is_active else None
 

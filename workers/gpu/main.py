@@ -10,9 +10,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from potocolom.protocol.manifests import ManifestError
 from potocolom.protocol.rungs import MEMORY_MODES, RUNG_FULL
-from workers.gpu.installed import discover_models
-from workers.gpu.vram import device_index
+from workers.gpu.client import WorkerClient, WorkerConfig
+from workers.gpu.frames import describe, measure_capacity
+from workers.gpu.installed import UnknownModelError, discover_models
+from workers.gpu.loading import load_pipelines
+from workers.gpu.pipelines import InjectedOutOfMemory, PipelineLoadError
+from workers.gpu.vram import VramBudget, device_index
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +68,6 @@ def _check(options: WorkerOptions, device: str) -> None:
 
 def measure_realtime(pipelines: dict[str, Any], budget_ms: float) -> dict[str, Any]:
     """Each full-rung img2img model's RealtimeCapacity (frames.measure_capacity), by model_id."""
-    from workers.gpu.frames import describe, measure_capacity
-
     capacities = {}
     for model_id, pipeline in pipelines.items():
         if pipeline.rung != RUNG_FULL or pipeline.frames is None:
@@ -77,8 +80,6 @@ def measure_realtime(pipelines: dict[str, Any], budget_ms: float) -> dict[str, A
 
 def build_client(options: WorkerOptions) -> Any:
     """Load the installed models and make the WorkerClient (not yet connected)."""
-    from workers.gpu.installed import ManifestError, UnknownModelError
-
     # The manifests first: a wrong --models fails in a blink, before torch is even imported.
     try:
         models = discover_models(options.models_dir, options.models)
@@ -87,12 +88,7 @@ def build_client(options: WorkerOptions) -> Any:
     if not models:
         raise WorkerStartError(f"no models installed in {options.models_dir} (expected DIR/*/manifest.json)")
 
-    import torch
-
-    from workers.gpu.client import WorkerClient, WorkerConfig
-    from workers.gpu.loading import load_pipelines
-    from workers.gpu.pipelines import InjectedOutOfMemory, PipelineLoadError
-    from workers.gpu.vram import VramBudget
+    import torch  # only now: a wrong --models fails before torch's seconds of import
 
     if options.threads:
         torch.set_num_threads(options.threads)

@@ -9,6 +9,7 @@ import io
 import logging
 import os
 import random
+import shutil
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from potocolom.protocol.browser import DEFAULT_STRENGTH
 from potocolom.protocol.rungs import RUNG_FULL, RUNG_GROUP_OFFLOAD
 from workers.gpu.footprints import default_size
 from workers.gpu.installed import InstalledModel
-from workers.gpu.ladder import Footprint
+from workers.gpu.ladder import Footprint, group_offload_to_disk
 from workers.gpu.placement import (  # noqa: F401  (re-exported: the adapter's public names)
     Modules,
     PipelineLoadError,
@@ -28,6 +29,7 @@ from workers.gpu.placement import (  # noqa: F401  (re-exported: the adapter's p
     read_modules,
     torch_dtype_for,
 )
+from workers.gpu.vram import available_ram_bytes, give_back_device_memory
 
 if TYPE_CHECKING:
     from PIL.Image import Image
@@ -231,11 +233,8 @@ class DiffusersPipeline:
 
     def release(self) -> None:
         """Drop this model's modules and give their device memory back (the other models stay)."""
-        import shutil
 
         self.pipe = self.img2img = self.frames = None
-        from workers.gpu.vram import give_back_device_memory
-
         give_back_device_memory(self.device)
         if self.offload_dir is not None:
             shutil.rmtree(self.offload_dir, ignore_errors=True)
@@ -244,9 +243,6 @@ class DiffusersPipeline:
     def move_to(self, rung: str) -> None:
         """Free the modules, read the model again from its source and place it on `rung` (after an
         out-of-memory error: a clean reload leaves no hooks or half-moved modules behind)."""
-        from workers.gpu.ladder import group_offload_to_disk
-        from workers.gpu.vram import available_ram_bytes
-
         self.release()
         to_disk = (rung == RUNG_GROUP_OFFLOAD and self.footprint is not None
                    and group_offload_to_disk(self.footprint.weights_bytes, available_ram_bytes()))
@@ -270,8 +266,6 @@ class DiffusersPipeline:
         except torch.OutOfMemoryError as exc:
             detail = _short(" ".join(str(exc).split()))
         # Out of the except block: the failed call's frames, and the tensors they held, are gone.
-        from workers.gpu.vram import give_back_device_memory
-
         give_back_device_memory(self.device)
         raise OutOfMemory(detail)
 
