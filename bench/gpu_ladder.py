@@ -146,7 +146,8 @@ def measure_frames(model: Any, device: str, size: int, budget_ms: float) -> None
     1, 2, 4, ... (the worker's own measure_batches, as at load), and the slots it would advertise."""
     from PIL import Image as PILImage
 
-    from workers.gpu.frames import (
+    from workers.gpu.pipelines import DEFAULT_GUIDANCE_SCALE, DiffusersPipeline, FrameRequest
+    from workers.gpu.slots import (
         BATCH_CAP,
         MEASURE_STRENGTH,
         SESSION_STEPS,
@@ -154,7 +155,6 @@ def measure_frames(model: Any, device: str, size: int, budget_ms: float) -> None
         p95,
         slots_from_measurements,
     )
-    from workers.gpu.pipelines import DEFAULT_GUIDANCE_SCALE, DiffusersPipeline, FrameRequest
 
     pipeline = DiffusersPipeline.load(model, device, "full")
     image = PILImage.new("RGB", (size, size), (128, 128, 128))

@@ -7,9 +7,7 @@ import asyncio
 import collections
 import json
 import logging
-import random
 import time
-import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
@@ -32,74 +30,22 @@ from potocolom.protocol.worker import (
     Welcome,
     parse_api_message,
 )
-from workers.gpu.frames import FramePipeline, FrameRunner, RealtimeCapacity
+from workers.gpu.connection import Backoff, TokenRefused, WorkerConfig, worker_socket_url
+from workers.gpu.frames import FramePipeline, FrameRunner
 from workers.gpu.jobs import DenoiseLoop, Encode, HeldJob, JobTiming, Pipeline, encode_png_b64
 from workers.gpu.sessions import SessionDesk
+from workers.gpu.slots import RealtimeCapacity
 
 log = logging.getLogger(__name__)
 
-WORKER_PATH = "/ws/worker/"
 TOKEN_REFUSED_CODE = 4001
 MAX_MESSAGE_BYTES = 64 * 2**20  # jobs carry init images; be generous on what we accept
-MAX_RESULT_BYTES = 16 * 2**20  # the contract's Daphne message limit: a bigger result could never land
-RECONNECT_INITIAL_SECONDS = 0.5
-RECONNECT_MAX_SECONDS = 10.0
 DEFAULT_HEARTBEAT_SECONDS = 10.0
 OPEN_TIMEOUT_SECONDS = 10.0
 FINAL_TYPES = frozenset({"job_result", "job_failed"})
 # Kept across a reconnect; progress, heartbeats and anything about sessions (the API sends those
 # back to its queue when the connection drops) are stale on the next one, so dropped.
 KEPT_WHILE_DOWN = frozenset({"job_started", "job_result", "job_failed"})
-
-
-class TokenRefused(RuntimeError):
-    """The API refused the worker token (close code 4001): check --token / WORKER_TOKEN."""
-
-    def __init__(self, detail: str = "close code 4001") -> None:
-        super().__init__(f"the API refused the worker token ({detail}); check --token or WORKER_TOKEN")
-
-
-class Backoff:
-    """Exponential reconnect delays with jitter: 0.5 s doubling up to 10 s, each +-25 %."""
-
-    def __init__(self, initial: float = RECONNECT_INITIAL_SECONDS, maximum: float = RECONNECT_MAX_SECONDS,
-                 jitter: float = 0.25, rng: random.Random | None = None):
-        self.initial, self.maximum, self.jitter = initial, maximum, jitter
-        self._rng = rng or random.Random()
-        self._next = initial
-
-    def next_delay(self) -> float:
-        delay = self._next
-        self._next = min(self.maximum, self._next * 2)
-        # Jitter spreads the reconnects of many workers after an API restart.
-        return delay * (1 + self._rng.uniform(-self.jitter, self.jitter))
-
-    def reset(self) -> None:
-        self._next = self.initial
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    """Where the worker connects and what it says about itself."""
-
-    api_url: str  # ws://HOST:PORT (http:// is taken as ws://)
-    token: str
-    worker_id: str
-    gpu: dict[str, Any] | None = None  # {"name", "total_mib", "free_mib"}, None on CPU
-    reconnect_initial_seconds: float = RECONNECT_INITIAL_SECONDS
-    reconnect_max_seconds: float = RECONNECT_MAX_SECONDS
-    max_result_bytes: int = MAX_RESULT_BYTES
-
-
-def worker_socket_url(api_url: str, token: str) -> str:
-    """`{api}/ws/worker/?token=T`; raises ValueError for an address that is not ws:// or wss://."""
-    parts = urllib.parse.urlsplit(api_url.strip())
-    scheme = {"http": "ws", "https": "wss"}.get(parts.scheme, parts.scheme)
-    if scheme not in ("ws", "wss") or not parts.netloc:
-        raise ValueError(f"--api must look like ws://HOST:PORT, got {api_url!r}")
-    path = parts.path.rstrip("/")
-    path = path + "/" if path.endswith(WORKER_PATH.rstrip("/")) else path + WORKER_PATH
-    return urllib.parse.urlunsplit((scheme, parts.netloc, path, urllib.parse.urlencode({"token": token}), ""))
 
 
 @dataclass
@@ -116,7 +62,7 @@ class WorkerClient:
 
     `timings` lists a JobTiming per job received, in arrival order (see jobs.denoise_idle_gaps).
     `encode` is the seam that turns images into job_result strings (tests slow it down).
-    `realtime` is each model's measured capacity (frames.measure_capacity); a model without one,
+    `realtime` is each model's measured capacity (slots.measure_capacity); a model without one,
     or not on the full rung, serves no sessions. `memory_mode` is MEMORY_MODE (what an
     out-of-memory error may do, see jobs.py); `gpu_info`, when given, is read for each hello's
     `gpu` instead of `config.gpu` (so free memory is current).

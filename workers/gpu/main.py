@@ -12,11 +12,12 @@ from typing import Any
 
 from potocolom.protocol.manifests import ManifestError
 from potocolom.protocol.rungs import MEMORY_MODES, RUNG_FULL
-from workers.gpu.client import WorkerClient, WorkerConfig
-from workers.gpu.frames import describe, measure_capacity
+from workers.gpu.client import WorkerClient
+from workers.gpu.connection import WorkerConfig
 from workers.gpu.installed import UnknownModelError, discover_models
 from workers.gpu.loading import load_pipelines
 from workers.gpu.pipelines import InjectedOutOfMemory, PipelineLoadError
+from workers.gpu.slots import describe, measure_capacity
 from workers.gpu.vram import VramBudget, device_index
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ def _check(options: WorkerOptions, device: str) -> None:
 
 
 def measure_realtime(pipelines: dict[str, Any], budget_ms: float) -> dict[str, Any]:
-    """Each full-rung img2img model's RealtimeCapacity (frames.measure_capacity), by model_id."""
+    """Each full-rung img2img model's RealtimeCapacity (slots.measure_capacity), by model_id."""
     capacities = {}
     for model_id, pipeline in pipelines.items():
         if pipeline.rung != RUNG_FULL or pipeline.frames is None:
@@ -142,6 +143,6 @@ async def serve(client: Any) -> None:
 
 
 def run_worker(options: WorkerOptions) -> None:
-    """Start and serve; raises WorkerStartError, or client.TokenRefused when the token is refused."""
+    """Start and serve; raises WorkerStartError, or connection.TokenRefused when the token is refused."""
     client = build_client(options)
     asyncio.run(serve(client))

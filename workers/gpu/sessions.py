@@ -12,8 +12,9 @@ from typing import Any
 from potocolom.protocol.browser import frame_params
 from potocolom.protocol.rungs import RUNG_FULL
 from potocolom.protocol.worker import FrameOrder, ModelEntry, SessionAccepted, SessionRefused
-from workers.gpu.frames import Frame, FramePipeline, FrameRunner, RealtimeCapacity, SessionParams
+from workers.gpu.frames import Frame, FramePipeline, FrameRunner, SessionParams
 from workers.gpu.pipelines import DEFAULT_GUIDANCE_SCALE, MAX_SEED, InvalidParams
+from workers.gpu.slots import RealtimeCapacity
 
 log = logging.getLogger(__name__)
 

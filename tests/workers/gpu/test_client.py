@@ -14,7 +14,8 @@ import pytest
 
 from tests.workers.gpu.fake_api import WELCOME_SENT, FakeApi
 from tests.workers.gpu.support import TEST_SECONDS, GatedPipeline, run_async
-from workers.gpu.client import Backoff, TokenRefused, WorkerClient, WorkerConfig, worker_socket_url
+from workers.gpu.client import WorkerClient
+from workers.gpu.connection import Backoff, TokenRefused, WorkerConfig, worker_socket_url
 from workers.gpu.jobs import JobTiming, denoise_idle_gaps, encode_png_b64
 
 SMALL_JOB = {"prompt": "a small red circle", "width": 64, "height": 64, "steps": 2, "seed": 3}

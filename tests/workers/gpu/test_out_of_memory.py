@@ -18,9 +18,9 @@ from potocolom.protocol.rungs import RUNG_FULL, RUNG_GROUP_OFFLOAD, RUNG_MODEL_O
 from tests.workers.gpu.fake_api import FakeApi
 from tests.workers.gpu.support import run_async
 from tests.workers.gpu.test_client import SMALL_JOB, make_client, running
-from workers.gpu.frames import RealtimeCapacity
 from workers.gpu.installed import InstalledModel, discover_models
 from workers.gpu.pipelines import DiffusersPipeline, InjectedOutOfMemory
+from workers.gpu.slots import RealtimeCapacity
 
 ONE_SLOT = RealtimeCapacity(frame_ms_p95=150.0, slots=1, width=64, height=64, steps=2, measured={})
 

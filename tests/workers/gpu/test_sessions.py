@@ -12,7 +12,7 @@ from typing import Any
 from tests.workers.gpu.fake_api import FakeApi
 from tests.workers.gpu.support import GatedPipeline, run_async
 from tests.workers.gpu.test_client import SMALL_JOB, make_client, running
-from workers.gpu.frames import RealtimeCapacity
+from workers.gpu.slots import RealtimeCapacity
 
 TWO_SLOTS = {"tiny-sd": RealtimeCapacity(frame_ms_p95=210.5, slots=2, width=64, height=64, steps=2, measured={})}
 

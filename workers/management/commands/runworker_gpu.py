@@ -69,10 +69,10 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         # Imported here: the worker program is not part of the API process.
-        from workers.gpu.client import TokenRefused
-        from workers.gpu.frames import frame_budget_ms_from_env
+        from workers.gpu.connection import TokenRefused
         from workers.gpu.installed import parse_model_ids
         from workers.gpu.main import WorkerOptions, WorkerStartError, run_worker
+        from workers.gpu.slots import frame_budget_ms_from_env
 
         if not options["token"]:
             raise CommandError("a worker token is required: --token TOKEN or WORKER_TOKEN")
