@@ -3,7 +3,6 @@ to both scheduling (held jobs, dispatch) and realtime (slots, admission); the wo
 translates. Also what operators see of both at once (`queues_snapshot`)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -17,26 +16,16 @@ from scheduling import selectors as job_reads
 from scheduling import services as jobs
 from workers import selectors, services
 from workers.models import WorkerToken
+from workers.services import HelloRecord
 
 
-@dataclass(frozen=True)
-class Arrival:
-    """What a hello decided: the entries of registered models served, the unknown model ids, and
-    the channel of the connection the worker said hello on before."""
-
-    served: list[ModelEntry]
-    unknown: list[str]
-    previous_channel: str
-
-
-def worker_arrives(*, hello: Hello, token: WorkerToken, channel_name: str, now: datetime) -> Arrival:
+def worker_arrives(*, hello: Hello, token: WorkerToken, channel_name: str, now: datetime) -> HelloRecord:
     """Record a hello (before the welcome goes out)."""
-    record = services.worker_hello(worker_id=hello.worker_id, token=token, gpu=hello.gpu, models=hello.models,
-                                   channel_name=channel_name, now=now)
-    return Arrival(record.served, record.unknown, record.previous_channel)
+    return services.worker_hello(worker_id=hello.worker_id, token=token, gpu=hello.gpu, models=hello.models,
+                                 channel_name=channel_name, now=now)
 
 
-def worker_connected(*, worker_id: str, channel_name: str, arrival: Arrival, now: datetime) -> str | None:
+def worker_connected(*, worker_id: str, channel_name: str, arrival: HelloRecord, now: datetime) -> str | None:
     """After the welcome: the worker keeps the jobs it held and gets work, and its realtime slots
     join admission. The channel of an older connection it replaced (to be closed), if any."""
     replaced = jobs.worker_jobs_connect(worker_id=worker_id, channel_name=channel_name,

@@ -55,7 +55,7 @@ def silent_ids(*, seconds: float, now: datetime) -> list[str]:
 
 
 @dataclass(frozen=True)
-class ConnectedWorker:
+class WorkerSocket:
     """A worker some API process holds the socket of: where to reach it, and its hello's entries."""
 
     worker_id: str
@@ -63,12 +63,12 @@ class ConnectedWorker:
     models: list[dict[str, Any]]
 
 
-def connected_workers(*, seconds: float, now: datetime) -> list[ConnectedWorker]:
+def connected_workers(*, seconds: float, now: datetime) -> list[WorkerSocket]:
     """The workers connected to any API process and seen within `seconds`."""
     cutoff = silence_cutoff(seconds=seconds, now=now)
     rows = Worker.objects.filter(connected=True, last_seen__gte=cutoff).exclude(channel_name="").values_list(
         "worker_id", "channel_name", "served_models")
-    return [ConnectedWorker(worker_id, channel, list(served or ())) for worker_id, channel, served in rows]
+    return [WorkerSocket(worker_id, channel, list(served or ())) for worker_id, channel, served in rows]
 
 
 def channel_of(worker_id: str | None) -> str | None:
