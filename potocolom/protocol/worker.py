@@ -12,6 +12,9 @@ from potocolom.protocol.errors import MessageError
 from potocolom.protocol.rungs import RUNG_FULL, RUNGS
 
 MAX_MODELS = 1000  # model entries in one hello
+MAX_HELD_JOBS = 1000  # job ids in a v2 hello's `jobs`
+PROTOCOL_V1 = 1  # a hello or welcome without `protocol`
+PROTOCOL_V2 = 2  # the highest protocol this code speaks
 REASON_CHARS = 500  # session_refused.reason is a short message
 
 
@@ -99,14 +102,22 @@ class ModelEntry:
 
 @dataclass(frozen=True)
 class Hello(Message):
+    """The worker's first message. `protocol` 2 (v2) adds `jobs`: the job ids it holds (running,
+    waiting, or ended with a final message not yet acknowledged); a v1 hello says neither."""
+
     type = "hello"
     worker_id: str
     gpu: dict[str, Any] | None
     models: tuple[ModelEntry, ...]
+    protocol: int = PROTOCOL_V1
+    jobs: tuple[str, ...] = ()
 
     def to_wire(self) -> dict[str, Any]:
-        return {"type": self.type, "worker_id": self.worker_id, "gpu": self.gpu,
+        wire = {"type": self.type, "worker_id": self.worker_id, "gpu": self.gpu,
                 "models": [m.to_wire() for m in self.models]}
+        if self.protocol >= PROTOCOL_V2:
+            wire.update(protocol=self.protocol, jobs=list(self.jobs))
+        return wire
 
 
 @dataclass(frozen=True)
@@ -190,7 +201,23 @@ def _hello(message: dict[str, Any]) -> Hello:
     entries = tuple(ModelEntry.parse(entry) for entry in models)
     if len({e.model_id for e in entries}) != len(entries):
         raise MessageError("a model_id appears twice in models")
-    return Hello(_str(message, "worker_id"), gpu, entries)
+    protocol = _protocol(message)
+    jobs: tuple[str, ...] = ()
+    if protocol >= PROTOCOL_V2:
+        held = message.get("jobs", [])
+        if not isinstance(held, list) or len(held) > MAX_HELD_JOBS:
+            raise MessageError(f"jobs must be a list of at most {MAX_HELD_JOBS} job ids")
+        jobs = tuple(dict.fromkeys(_uuid({"job_id": job_id}, "job_id") for job_id in held))
+    return Hello(_str(message, "worker_id"), gpu, entries, protocol, jobs)
+
+
+def _protocol(message: dict[str, Any]) -> int:
+    """The protocol a hello or welcome says: 1 without the field, else at most the one spoken here
+    (a later version talks to this code in the highest one both know)."""
+    value = message.get("protocol", PROTOCOL_V1)
+    if isinstance(value, bool) or not isinstance(value, int) or value < PROTOCOL_V1:
+        raise MessageError("protocol must be an integer of at least 1")
+    return min(value, PROTOCOL_V2)
 
 
 def _job_result(message: dict[str, Any]) -> JobResult:
@@ -260,10 +287,29 @@ def parse_worker_message(message: Any) -> WorkerMessage:
 
 @dataclass(frozen=True)
 class Welcome(Message):
+    """The answer to a hello; `protocol` 2 only in answer to a v2 hello (a v1 welcome has none)."""
+
     type = "welcome"
     unknown_models: list[str]
     heartbeat_seconds: float | None  # None: not usable (the worker then uses its own default)
     frame_budget_ms: float | None = None
+    protocol: int = PROTOCOL_V1
+
+    def to_wire(self) -> dict[str, Any]:
+        wire = {"type": self.type, "unknown_models": self.unknown_models,
+                "heartbeat_seconds": self.heartbeat_seconds, "frame_budget_ms": self.frame_budget_ms}
+        if self.protocol >= PROTOCOL_V2:
+            wire["protocol"] = self.protocol
+        return wire
+
+
+@dataclass(frozen=True)
+class JobAck(Message):
+    """v2: the API stored a job's `job_result` or `job_failed` (or had nothing to change): the worker
+    may forget it."""
+
+    type = "job_ack"
+    job_id: str
 
 
 @dataclass(frozen=True)
@@ -308,7 +354,7 @@ class FrameOrder(Message):
     params: dict[str, Any] = field(default_factory=dict)
 
 
-ApiMessage = Welcome | JobOrder | Cancel | SessionStart | SessionEnd | FrameOrder
+ApiMessage = Welcome | JobOrder | Cancel | SessionStart | SessionEnd | FrameOrder | JobAck
 
 
 def _id(message: dict[str, Any], name: str) -> str:
@@ -326,9 +372,14 @@ def _welcome(message: dict[str, Any]) -> Welcome:
     usable = not isinstance(period, bool) and isinstance(period, (int, float)) and period > 0
     unknown = message.get("unknown_models") or []
     budget = message.get("frame_budget_ms")
+    try:
+        protocol = _protocol(message)
+    except MessageError:
+        protocol = PROTOCOL_V1  # an API that says something odd gets v1
     return Welcome([str(m) for m in unknown] if isinstance(unknown, list) else [],
                    float(period) if usable else None,  # type: ignore[arg-type]
-                   float(budget) if isinstance(budget, (int, float)) and not isinstance(budget, bool) else None)
+                   float(budget) if isinstance(budget, (int, float)) and not isinstance(budget, bool) else None,
+                   protocol)
 
 
 def _frame_order(message: dict[str, Any]) -> FrameOrder:
@@ -352,6 +403,7 @@ _API_PARSERS: dict[str, Callable[[dict[str, Any]], ApiMessage]] = {
     "session_start": lambda m: SessionStart(_id(m, "session_id"), _id(m, "model_id"), m.get("params")),
     "session_end": lambda m: SessionEnd(_id(m, "session_id")),
     "frame": _frame_order,
+    "job_ack": lambda m: JobAck(_id(m, "job_id")),
 }
 
 
