@@ -8,3 +8,9 @@ class JobAlreadyEnded(DomainError):
     """The job has already ended."""
 
     code = "job_already_ended"
+
+
+class TooManyJobs(DomainError):
+    """The account already has ACCOUNT_JOB_LIMIT unfinished jobs; wait for some to end."""
+
+    code = "too_many_jobs"

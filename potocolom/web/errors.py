@@ -17,6 +17,7 @@ HTTP_STATUS = {
     "invalid_params": status.HTTP_400_BAD_REQUEST,
     "no_matching_model": status.HTTP_400_BAD_REQUEST,
     "job_already_ended": status.HTTP_409_CONFLICT,
+    "too_many_jobs": status.HTTP_429_TOO_MANY_REQUESTS,
 }
 CLOSE_CODE = {
     "bad_query": close_codes.BAD_QUERY,
