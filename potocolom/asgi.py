@@ -17,15 +17,19 @@ from channels.auth import AuthMiddlewareStack  # noqa: E402  (needs Django set u
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from django.conf import settings  # noqa: E402
 from django.db import connection  # noqa: E402
-from django.urls import path  # noqa: E402
+from django.urls import path, re_path  # noqa: E402
 
+from potocolom.web.sockets import BrowserOriginCheck, refuse  # noqa: E402
 from realtime.consumers import SessionConsumer  # noqa: E402
 from scheduling.dispatcher import dispatcher  # noqa: E402
 from workers.consumers import WorkerConsumer  # noqa: E402
 
+# Browser-facing sockets (the session cookie may authenticate them) check the page's Origin; the
+# worker socket (tokens only) does not; any other path is refused (403), not answered with a 500.
 websocket_urls = [
-    path("ws/session/", SessionConsumer.as_asgi()),
+    path("ws/session/", BrowserOriginCheck(SessionConsumer.as_asgi())),
     path("ws/worker/", WorkerConsumer.as_asgi()),
+    re_path(r"", refuse),
 ]
 
 def rebuild_queue_at_start() -> None:
@@ -40,6 +44,10 @@ def rebuild_queue_at_start() -> None:
 
 if settings.QUEUE_REBUILD_AT_START:
     threading.Thread(target=rebuild_queue_at_start, name="queue-rebuild", daemon=True).start()
+    # Dead workers are found by every served process, whether or not a socket is open on it.
+    from workers.sweeper import dead_worker_sweep_start  # noqa: E402
+
+    dead_worker_sweep_start()
 
 application = ProtocolTypeRouter({
     "http": django_http_app,

@@ -1,0 +1,83 @@
+"""ASGI guards for the websocket routes.
+
+A browser-facing socket authenticated by the Django session cookie must come from a page of ours:
+its Origin's host is in ALLOWED_HOSTS, or the origin is in CSRF_TRUSTED_ORIGINS; otherwise the
+handshake is refused (403), since any site's page can open a socket that carries the cookie. A
+socket that brings a token (`?token=` or `Authorization`) is not Origin-checked, but from a foreign
+or missing Origin only its token counts, never the cookie. Worker sockets are never checked
+(they are not wrapped). A socket to a path no route serves is refused the same way, not a 500."""
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from django.conf import settings
+from django.contrib.auth.models import AnonymousUser
+from django.http.request import is_same_domain, validate_host
+
+Scope = dict[str, Any]
+ASGIApp = Callable[[Scope, Callable[..., Awaitable[Any]], Callable[..., Awaitable[Any]]], Awaitable[None]]
+
+
+def origin_allowed(origin: str | None, *, allowed_hosts: Iterable[str], trusted_origins: Iterable[str]) -> bool:
+    """Whether a page at `origin` is one of ours (Django's host and CSRF origin rules)."""
+    if not origin:
+        return False
+    try:
+        parsed = urlsplit(origin)
+        hostname = parsed.hostname
+    except ValueError:
+        return False
+    if parsed.scheme not in ("http", "https") or not hostname:
+        return False
+    host = f"[{hostname}]" if ":" in hostname else hostname
+    if validate_host(host, list(allowed_hosts)):
+        return True
+    for trusted in trusted_origins:
+        wanted = urlsplit(trusted)
+        if wanted.scheme != parsed.scheme:
+            continue
+        if wanted.netloc == parsed.netloc or (
+                wanted.netloc.startswith("*.") and is_same_domain(parsed.netloc, wanted.netloc[1:])):
+            return True
+    return False
+
+
+def header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", []):
+        if key.lower() == name:
+            return bytes(value).decode("latin-1")
+    return None
+
+
+def brings_token(scope: Scope) -> bool:
+    """A token in the query (`?token=`) or an Authorization header."""
+    query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+    return any(query.get("token", [])) or bool(header(scope, b"authorization"))
+
+
+async def refuse(scope: Scope, receive: Callable[..., Awaitable[Any]], send: Callable[..., Awaitable[Any]]) -> None:
+    """Refuse the handshake: closing before accepting answers HTTP 403."""
+    message = await receive()
+    if message.get("type") == "websocket.connect":
+        await send({"type": "websocket.close", "code": 1000})
+
+
+class BrowserOriginCheck:
+    """Wraps a browser-facing consumer, inside channels' AuthMiddlewareStack (scope["user"] set)."""
+
+    def __init__(self, application: ASGIApp) -> None:
+        self.application = application
+
+    async def __call__(self, scope: Scope, receive: Callable[..., Awaitable[Any]],
+                       send: Callable[..., Awaitable[Any]]) -> None:
+        if scope.get("type") == "websocket" and not origin_allowed(
+                header(scope, b"origin"), allowed_hosts=settings.ALLOWED_HOSTS,
+                trusted_origins=settings.CSRF_TRUSTED_ORIGINS):
+            if brings_token(scope):
+                scope = {**scope, "user": AnonymousUser()}  # the token authenticates, not the cookie
+            elif getattr(scope.get("user"), "is_authenticated", False):
+                await refuse(scope, receive, send)
+                return
+        await self.application(scope, receive, send)
