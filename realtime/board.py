@@ -4,7 +4,7 @@ admission, every worker's slots. Plain data behind one lock; the admission backe
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -28,7 +28,6 @@ class SessionEntry:
     refused_by: set[str] = field(default_factory=set)
     last_input: datetime | None = None  # the last frame
     live_since: datetime | None = None
-    pending_frame: dict[str, Any] | None = None  # the newest frame while not live
     told_position: int | None = None
     placement: int = 0  # the latest placement heard of (several API processes)
 
@@ -185,14 +184,6 @@ class SessionBoard:
                 self.unroute_worker(session_id)
             return True
 
-    def take_pending(self, session_id: str) -> dict[str, Any] | None:
-        with self.lock:
-            entry = self.sessions.get(session_id)
-            if entry is None:
-                return None
-            frame, entry.pending_frame = entry.pending_frame, None
-            return frame
-
     def go_idle(self, session_id: str) -> SessionEntry | None:
         with self.lock:
             entry = self.sessions.get(session_id)
@@ -202,9 +193,9 @@ class SessionBoard:
             self.unroute_worker(session_id)
             return entry
 
-    def frame(self, session_id: str, frame: dict[str, Any], *, now: datetime) -> tuple[str, str | None]:
-        """Record canvas input. ('live', worker channel) when the frame can go on at once; otherwise
-        it is kept as the newest pending frame and the answer is the session's state."""
+    def frame(self, session_id: str, *, now: datetime) -> tuple[str, str | None]:
+        """Record canvas input: ('live', worker channel) when a frame can go to the worker now;
+        otherwise the session's state and None (its consumer keeps the newest frame meanwhile)."""
         with self.lock:
             entry = self.sessions.get(session_id)
             if entry is None:
@@ -213,8 +204,14 @@ class SessionBoard:
             found = self.routes.get(session_id)
             if entry.state == LIVE and found is not None and found.worker:
                 return LIVE, found.worker
-            entry.pending_frame = frame
             return entry.state, None
+
+    def live_worker(self, session_id: str) -> str | None:
+        """The worker channel a frame of the session goes to now (None unless it is live)."""
+        with self.lock:
+            entry = self.sessions.get(session_id)
+            found = self.routes.get(session_id)
+            return found.worker if entry is not None and entry.state == LIVE and found is not None else None
 
     def wake(self, session_id: str) -> bool:
         """An idle session asks for a slot again: back in the queue at its old place."""
@@ -297,27 +294,25 @@ class SessionBoard:
                     if s.state in (PLACING, LIVE) and (worker_id := self.worker_of(s.session_id))]
             return policy.free_slots(capacity, held)
 
-    def plan(self, claim: Callable[[Placement], bool]) -> list[tuple[Placement, SessionEntry]]:
-        """Decide placements by first fit and apply those that `claim` confirms (the database
-        compare-and-set); a failed claim drops that session from this round."""
+    def plan(self, *, skip: Collection[str] = ()) -> list[Placement]:
+        """First fit over the queued sessions (less `skip`) and the free slots, as they stand; nothing
+        changes. The caller claims each placement in the database without this lock held (a
+        stuck database must not stop the frames of live sessions), then `place`s it."""
         with self.lock:
-            done: list[tuple[Placement, SessionEntry]] = []
-            skipped: set[str] = set()
-            while True:
-                queued = [s.queued() for s in self.sessions.values()
-                          if s.state == QUEUED and s.session_id not in skipped]
-                planned = policy.first_fit(queued, self.free())
-                if not planned:
-                    return done
-                for placement in planned:
-                    entry = self.sessions[placement.session_id]
-                    if claim(placement):
-                        entry.state = PLACING
-                        self.route_to_worker(placement.session_id, worker_id=placement.worker_id,
-                                             worker=self.channel_of(placement.worker_id))
-                        done.append((placement, entry))
-                    else:
-                        skipped.add(placement.session_id)
+            queued = [s.queued() for s in self.sessions.values() if s.state == QUEUED and s.session_id not in skip]
+            return policy.first_fit(queued, self.free())
+
+    def place(self, placement: Placement) -> SessionEntry | None:
+        """A claimed placement: the session is placing on its worker; None when it is no longer
+        queued here (it left meanwhile)."""
+        with self.lock:
+            entry = self.sessions.get(placement.session_id)
+            if entry is None or entry.state != QUEUED:
+                return None
+            entry.state = PLACING
+            self.route_to_worker(placement.session_id, worker_id=placement.worker_id,
+                                 worker=self.channel_of(placement.worker_id))
+            return entry
 
     def snapshot(self) -> tuple[list[tuple[SessionEntry, str | None]], list[WorkerEntry], dict[SlotKey, int]]:
         """(each session with its worker, the workers, the free slots), for operators."""

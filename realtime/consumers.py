@@ -22,6 +22,7 @@ from potocolom.transport.relay import RelayConsumer
 from potocolom.web.errors import close_code_of
 from realtime import services
 from realtime.errors import NotAuthenticated, SessionError
+from realtime.frames import FrameGate
 from realtime.sweeper import sweeper_hold, sweeper_release
 
 log = logging.getLogger(__name__)
@@ -38,12 +39,15 @@ class SessionConsumer(RelayConsumer):
 
     session_id: str | None = None
     idle_watch: asyncio.Task | None = None
+    due_timer: asyncio.TimerHandle | None = None
 
     async def connect(self) -> None:
         """Accept, then join the session or close with the code that says why not."""
         await self.accept()
         self.received: dict[int, float] = {}  # seq -> monotonic time the frame arrived (for `ms`)
         self.last_sent_seq = -1
+        # One frame in flight to the worker; the next after its result or 2 x FRAME_BUDGET_MS.
+        self.gate = FrameGate(wait_seconds=2 * settings.FRAME_BUDGET_MS / 1000)
         try:
             query = query_of(self.scope)
             account = await database_sync_to_async(services.session_account)(
@@ -74,17 +78,38 @@ class SessionConsumer(RelayConsumer):
         try:
             if bytes_data is not None:
                 raise MessageError("messages are JSON text")
-            frame = parse_browser_message(text_data or "")
+            frame = parse_browser_message(text_data or "", max_pixels=settings.MAX_IMAGE_PIXELS)
         except MessageError as exc:
             await self.send_json(Error(str(exc)).to_wire())
             return
         self.remember(frame.seq, arrived)
         message = FrameOrder(self.session_id, frame.seq, frame.image, frame.params).to_wire()
-        state, worker_channel = services.session_frame(session_id=self.session_id, frame=message, now=timezone.now())
-        if worker_channel is not None:
-            await relay.send(worker_channel, socket_event(message))
-        elif state == "idle":
+        state, worker_channel = services.session_frame(session_id=self.session_id, now=timezone.now())
+        await self.forward(self.gate.offer(message, live=worker_channel is not None, now=time.monotonic()),
+                           worker_channel)
+        if state == "idle":
             await database_sync_to_async(services.session_wake)(session_id=self.session_id, now=timezone.now())
+
+    async def forward(self, frame: dict[str, Any] | None, worker_channel: str | None = None) -> None:
+        """Send a frame the gate let go to the session's worker, and wake up when a kept frame would
+        be due (the frame in flight unanswered for 2 x FRAME_BUDGET_MS)."""
+        if frame is not None and self.session_id is not None:
+            worker_channel = worker_channel or services.session_frame_worker(session_id=self.session_id)
+            if worker_channel is not None:
+                await relay.send(worker_channel, socket_event(frame))
+        if self.due_timer is not None:
+            self.due_timer.cancel()
+            self.due_timer = None
+        deadline = self.gate.deadline()
+        if deadline is not None:
+            # Into this consumer's own inbox: handled in turn with everything else it does.
+            self.due_timer = asyncio.get_running_loop().call_at(
+                deadline, relay.deliver_local, self.channel_name, {"type": "session.frame_due"})
+
+    async def session_frame_due(self, event: dict[str, Any]) -> None:
+        """The frame in flight went unanswered too long: the newest kept frame goes anyway."""
+        self.due_timer = None
+        await self.forward(self.gate.due(now=time.monotonic()))
 
     def remember(self, seq: int, arrived: float) -> None:
         self.received[seq] = arrived
@@ -99,6 +124,8 @@ class SessionConsumer(RelayConsumer):
         """The session leaves the queue or frees its slot (once)."""
         if self.idle_watch is not None and self.idle_watch is not asyncio.current_task():
             self.idle_watch.cancel()
+        if self.due_timer is not None:
+            self.due_timer.cancel()
         if self.session_id is not None:
             session_id, self.session_id = self.session_id, None
             await database_sync_to_async(services.session_close)(session_id=session_id, now=timezone.now())
@@ -110,31 +137,29 @@ class SessionConsumer(RelayConsumer):
     # events from the services
 
     async def session_live(self, event: dict[str, Any]) -> None:
-        """Live on a worker: tell the browser, and watch for idleness from now. (Several API
-        processes: the news may be stale; the newest frame kept while it waited goes on from here.)"""
-        pending = None
-        if "placement" in event:
-            if self.session_id is None:
-                return
-            applies, pending = services.session_live_here(session_id=self.session_id, event=event,
-                                                          now=timezone.now())
-            if not applies:
-                return
+        """Live on a worker: tell the browser, send it the newest frame kept while the session
+        waited, and watch for idleness from now. (Several API processes: the news may be stale.)"""
+        if self.session_id is None:
+            return
+        if "placement" in event and not services.session_live_here(session_id=self.session_id, event=event,
+                                                                    now=timezone.now()):
+            return
         await self.send_json(event["message"])
-        if pending is not None:
-            await relay.send(event["worker_channel"], socket_event(pending))
+        await self.forward(self.gate.went_live(now=time.monotonic()), event.get("worker_channel"))
         if self.idle_watch is None or self.idle_watch.done():
             self.idle_watch = asyncio.create_task(self.watch_idle())
 
     async def session_back(self, event: dict[str, Any]) -> None:
         """Several API processes: the slot was lost (its worker died or was demoted); frames wait
-        as pending until the session is live again."""
+        until the session is live again."""
         if self.session_id is not None:
             services.session_back_here(session_id=self.session_id, placement=event["placement"])
 
     async def session_frame(self, event: dict[str, Any]) -> None:
-        """A worker's result: shown unless a newer frame was already shown."""
+        """A worker's result: shown unless a newer frame was already shown; the newest kept frame
+        goes next."""
         seq = event["seq"]
+        await self.forward(self.gate.answered(seq, now=time.monotonic()))
         if seq <= self.last_sent_seq:
             return
         self.last_sent_seq = seq

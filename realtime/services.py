@@ -97,10 +97,15 @@ def frame_result_route(*, worker_id: str, session_id: str) -> str | None:
 
 # --- frames and idleness -------------------------------------------------------------------------
 
-def session_frame(*, session_id: str, frame: dict[str, Any], now: datetime) -> tuple[str, str | None]:
-    """Canvas input (no database on this path unless the session was idle). ('live', worker
-    channel) when the frame goes on at once; otherwise it is kept as the newest pending frame."""
-    return board().frame(session_id, frame, now=now)
+def session_frame(*, session_id: str, now: datetime) -> tuple[str, str | None]:
+    """Canvas input (no database on this path). ('live', worker channel) when a frame can go to
+    the worker now; otherwise the session's state (its consumer keeps the newest frame)."""
+    return board().frame(session_id, now=now)
+
+
+def session_frame_worker(*, session_id: str) -> str | None:
+    """Where the session's next frame goes now: its worker's channel while live (no database)."""
+    return board().live_worker(session_id)
 
 
 def session_wake(*, session_id: str, now: datetime) -> None:
@@ -151,15 +156,11 @@ def sessions_sweep(*, now: datetime) -> None:
     current.sweep(now=now)
 
 
-def session_live_here(*, session_id: str, event: dict[str, Any], now: datetime) -> tuple[bool, dict[str, Any] | None]:
-    """Several API processes, in the browser's process: news of going live. (applies?, the newest
-    frame kept while it waited, for the worker)."""
-    current = board()
-    entry = current.live_here(session_id, worker_id=event["worker_id"], worker_channel=event["worker_channel"],
-                            placement=event["placement"], now=now)
-    if entry is None:
-        return False, None
-    return True, current.take_pending(session_id)
+def session_live_here(*, session_id: str, event: dict[str, Any], now: datetime) -> bool:
+    """Several API processes, in the browser's process: news of going live; whether it applies
+    (then the consumer sends the newest frame it kept meanwhile)."""
+    return board().live_here(session_id, worker_id=event["worker_id"], worker_channel=event["worker_channel"],
+                             placement=event["placement"], now=now) is not None
 
 
 def session_back_here(*, session_id: str, placement: int) -> bool:

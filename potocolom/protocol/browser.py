@@ -4,14 +4,14 @@ params are checked once, here (`frame_params`), for the API and the worker alike
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from potocolom.protocol.errors import MessageError
+from potocolom.protocol.images import ImageRefused, checked_image
 
-DATA_URL_PREFIXES = ("data:image/png;base64,", "data:image/jpeg;base64,")
-BASE64_HEAD = re.compile(r"[A-Za-z0-9+/]+=*")  # checked on the first characters only: images are large
+DATA_URL_PREFIXES = ("data:image/png;base64,", "data:image/jpeg;base64,", "data:image/webp;base64,")
+DEFAULT_MAX_PIXELS = 4194304  # MAX_IMAGE_PIXELS' default (the API passes its setting)
 MAX_SEQ = 2**53  # what a browser's Number holds exactly
 DEFAULT_STRENGTH = 0.8  # diffusers' img2img default
 
@@ -47,8 +47,10 @@ class BrowserFrame:
     params: dict[str, Any]  # the browser's own, relayed to the worker as sent
 
 
-def parse_browser_message(text: str) -> BrowserFrame:
-    """A browser's text frame as a BrowserFrame; MessageError says what is wrong."""
+def parse_browser_message(text: str, *, max_pixels: int = DEFAULT_MAX_PIXELS) -> BrowserFrame:
+    """A browser's text frame as a BrowserFrame; MessageError says what is wrong. The image must be
+    a PNG, JPEG or WebP declaring at most `max_pixels` pixels, read from its header (nothing is
+    decoded), so that no image a worker would refuse, or choke on, ever reaches one."""
     try:
         message = json.loads(text)
     except (ValueError, RecursionError):
@@ -63,10 +65,12 @@ def parse_browser_message(text: str) -> BrowserFrame:
     image = message.get("image")
     prefix = next((p for p in DATA_URL_PREFIXES if isinstance(image, str) and image.startswith(p)), None)
     if prefix is None:
-        raise MessageError("image must be a data:image/png;base64 URL")
+        raise MessageError("image must be a data:image/png, jpeg or webp;base64 URL")
     bare = image[len(prefix):]  # type: ignore[index]
-    if not bare or not BASE64_HEAD.fullmatch(bare[:64]):
-        raise MessageError("image is not valid base64")
+    try:
+        checked_image(bare, max_pixels=max_pixels)
+    except ImageRefused as exc:
+        raise MessageError(f"image: {exc}") from None
     params = message.get("params", {})
     frame_params(params)
     return BrowserFrame(seq, bare, params if isinstance(params, dict) else {})

@@ -4,10 +4,11 @@ plus one shared for broadcasts). Design, order and loss: docs/design/bus.md."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
@@ -15,7 +16,23 @@ log = logging.getLogger(__name__)
 CHANNEL_PREFIX = "potocolom.bus."
 EVERYONE = "*"  # the process part of the channel every process subscribes to (no process is named so)
 RECONNECT_SECONDS = 0.5
-MAX_UNSENT_BYTES = 64 * 1024 * 1024  # a Redis that stopped reading: drop rather than grow without end
+FRAME_UNSENT_BYTES = 4 * 1024 * 1024  # over this waiting unsent, frames wait in their slots (newest kept)
+MAX_UNSENT_BYTES = 64 * 1024 * 1024  # a Redis that stopped reading for good: reconnect, not grow without end
+HELD_FRAMES_MAX = 10_000  # frame slots (one per target and session) kept while Redis reads slowly
+
+
+def frame_key(message: Any) -> Hashable | None:
+    """The slot of a frame message (a browser frame on its way to a worker, a worker's result on its
+    way to a browser): one per kind and session (per target), where only the newest waits. None for a control
+    message (placements, states, session_end, cancels, jobs), which is never dropped for a frame."""
+    kind = message.get("type")
+    if kind == "session.frame":  # to a browser's consumer: one session there
+        return ("result",)
+    if kind == "socket.send":
+        inner = message.get("message")
+        if isinstance(inner, dict) and inner.get("type") == "frame":
+            return ("frame", inner.get("session_id"))
+    return None
 
 
 def process_of(channel_name: str) -> str | None:
@@ -24,6 +41,19 @@ def process_of(channel_name: str) -> str | None:
     if not bang or "." not in head:
         return None
     return head.rpartition(".")[2] or None
+
+
+def frame_seq(message: dict[str, Any]) -> int:
+    """A frame message's seq (-1 when it carries none): of two frames in a slot the later seq stays."""
+    inner = message.get("message") if message.get("type") == "socket.send" else message
+    seq = inner.get("seq") if isinstance(inner, dict) else None
+    return seq if isinstance(seq, int) else -1
+
+
+def _slot(target: str, message: dict[str, Any]) -> tuple[str, Hashable] | None:
+    """A frame's slot on the bus: its target and its kind and session (None: a control message)."""
+    key = frame_key(message)
+    return None if key is None else (target, key)
 
 
 # --- RESP, the part of it pub/sub needs ------------------------------------------------------------
@@ -93,11 +123,16 @@ def _auth(url: str) -> tuple[str, int, list[bytes]]:
 class _Connection(asyncio.Protocol):
     """A connection to Redis that hands every reply it reads to `on_reply`."""
 
-    def __init__(self, on_reply: Callable[[Any], None]) -> None:
-        self.on_reply = on_reply
+    def __init__(self, on_reply: Callable[[Any], None], on_drained: Callable[[], None] | None = None) -> None:
+        self.on_reply, self.on_drained = on_reply, on_drained
         self.transport: asyncio.Transport | None = None
         self.buffer = bytearray()
         self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        """Redis read what waited unsent (down to the low-water mark): held frames may go."""
+        if self.on_drained is not None:
+            self.on_drained()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -127,8 +162,10 @@ class _Connection(asyncio.Protocol):
 class Bus:
     """This process's end of the bus, on one event loop."""
 
-    def __init__(self, url: str, process: str, deliver: Callable[[str, dict[str, Any]], bool]) -> None:
+    def __init__(self, url: str, process: str, deliver: Callable[[str, dict[str, Any]], bool], *,
+                 frame_unsent_bytes: int = FRAME_UNSENT_BYTES, max_unsent_bytes: int = MAX_UNSENT_BYTES) -> None:
         self.url, self.process, self.deliver = url, process, deliver
+        self.frame_unsent_bytes, self.max_unsent_bytes = frame_unsent_bytes, max_unsent_bytes
         self.loop: asyncio.AbstractEventLoop | None = None
         self.channel = CHANNEL_PREFIX + process
         self.everyone = CHANNEL_PREFIX + EVERYONE
@@ -136,7 +173,11 @@ class Bus:
         self._subscriber: asyncio.Transport | None = None
         self._tasks: list[asyncio.Task] = []
         self._subscribed = asyncio.Event()
-        self._pending: list[tuple[str, str]] = []  # (process, '[target, message]') posted this turn
+        # posted this turn: (process, '[target, message]', a frame's slot or None, its seq)
+        self._pending: list[tuple[str, str, tuple[str, Hashable] | None, int]] = []
+        # frames that found Redis reading too slowly: (process, target, slot) -> the newest pair, in order
+        self._held: collections.OrderedDict[tuple[str, str, Hashable], tuple[int, str]] = collections.OrderedDict()
+        self.frames_replaced = 0  # frames dropped for a newer one of their session while Redis was slow
         self._lost = 0  # messages dropped while the publisher was away (logged once per outage)
 
     async def start(self) -> None:
@@ -182,7 +223,8 @@ class Bus:
             await asyncio.wait_for(self._subscribed.wait(), 10)
 
     async def _keep_connected(self, on_reply: Callable[[Any], None], hello: bytes,
-                              on_connect: Callable[[asyncio.Transport], None], on_lost: Callable[[Any], None]) -> None:
+                              on_connect: Callable[[asyncio.Transport], None], on_lost: Callable[[Any], None],
+                              on_drained: Callable[[], None] | None = None) -> None:
         """Connect, log in and send `hello`; when the connection drops, connect again."""
         host, port, login = _auth(self.url)
         loop = asyncio.get_running_loop()
@@ -190,7 +232,7 @@ class Bus:
             transport: asyncio.Transport | None = None
             try:
                 transport, connection = await loop.create_connection(  # type: ignore[assignment]
-                    lambda: _Connection(on_reply), host, port)
+                    lambda: _Connection(on_reply, on_drained), host, port)
                 assert transport is not None
                 transport.write(b"".join([*login, hello]))
                 on_connect(transport)
@@ -256,6 +298,7 @@ class Bus:
 
     async def _publish(self, up: asyncio.Event) -> None:
         def connected(transport: asyncio.Transport) -> None:
+            transport.set_write_buffer_limits(high=self.frame_unsent_bytes, low=self.frame_unsent_bytes // 4)
             self.publish_on(transport)
             if self._lost:
                 log.warning("the process bus publishes again; %d message(s) were lost meanwhile", self._lost)
@@ -267,7 +310,8 @@ class Bus:
                 log.warning("the process bus lost its Redis connection for publishing (%s)", reason)
             self._publisher = None
 
-        await self._keep_connected(self._on_publisher_reply, command("CLIENT", "REPLY", "OFF"), connected, lost)
+        await self._keep_connected(self._on_publisher_reply, command("CLIENT", "REPLY", "OFF"), connected, lost,
+                                   self._write_held)
 
     @staticmethod
     def _on_publisher_reply(reply: Any) -> None:
@@ -277,36 +321,74 @@ class Bus:
     def post(self, process: str, target: str, message: dict[str, Any]) -> None:
         """Queue a message for another process's consumer (on the bus's loop); it goes out with the
         others posted in this turn of the loop, at its end."""
-        self._enqueue(process, json.dumps([target, message]))
+        self._enqueue(process, json.dumps([target, message]), _slot(target, message), frame_seq(message))
 
     def publish_threadsafe(self, process: str, target: str, message: dict[str, Any]) -> None:
         """From a thread other than the bus's loop: queued on that loop, after what is queued there."""
         assert self.loop is not None
-        self.loop.call_soon_threadsafe(self._enqueue, process, json.dumps([target, message]))
+        self.loop.call_soon_threadsafe(self._enqueue, process, json.dumps([target, message]), _slot(target, message),
+                                       frame_seq(message))
 
     def broadcast_threadsafe(self, target: str, message: dict[str, Any]) -> None:
         """From a thread: to `target` in every other process (one PUBLISH on the shared channel)."""
         self.publish_threadsafe(EVERYONE, target, message)
 
-    def _enqueue(self, process: str, pair: str) -> None:
+    def _enqueue(self, process: str, pair: str, slot: tuple[str, Hashable] | None = None, seq: int = -1) -> None:
         if not self._pending:
             asyncio.get_running_loop().call_soon(self._flush)
-        self._pending.append((process, pair))
+        self._pending.append((process, pair, slot, seq))
 
     def _flush(self) -> None:
-        """One write for everything posted this turn: one PUBLISH per process, its messages in order."""
+        """One write for everything posted this turn: one PUBLISH per process, its messages in order.
+        While Redis reads too slowly (frame_unsent_bytes wait unsent), frames wait in their slots,
+        newest kept, and go once it caught up; control messages are written all the same."""
         pending, self._pending = self._pending, []
-        per_process: dict[str, list[str]] = {}
-        for process, pair in pending:
-            per_process.setdefault(process, []).append(pair)
         publisher = self._publisher
-        if publisher is None or publisher.is_closing() or publisher.get_write_buffer_size() > MAX_UNSENT_BYTES:
+        if publisher is None or publisher.is_closing():
             if not self._lost:
-                log.warning("the process bus cannot publish now (Redis away or not reading); messages are lost")
-            self._lost += len(pending)
+                log.warning("the process bus cannot publish now (Redis away); messages are lost")
+            self._lost += len(pending) + len(self._held)
+            self._held.clear()
             return
-        publisher.write(b"".join(command("PUBLISH", CHANNEL_PREFIX + process, self._payload(process, pairs))
-                                 for process, pairs in per_process.items()))
+        slow = bool(self._held) or publisher.get_write_buffer_size() > self.frame_unsent_bytes
+        per_process: dict[str, list[str]] = {}
+        for process, pair, slot, seq in pending:
+            if slot is not None and slow:
+                self._hold((process, slot[0], slot[1]), seq, pair)
+            else:
+                per_process.setdefault(process, []).append(pair)
+        self._write(publisher, per_process)
+
+    def _hold(self, key: tuple[str, str, Hashable], seq: int, pair: str) -> None:
+        held = self._held.get(key)
+        if held is not None:
+            self.frames_replaced += 1
+            if held[0] > seq:
+                return  # a later frame of the session waits already
+        self._held[key] = (seq, pair)  # in place: the slot keeps its turn
+        if len(self._held) > HELD_FRAMES_MAX:
+            self._held.popitem(last=False)
+            self._lost += 1
+
+    def _write_held(self) -> None:
+        """Redis caught up: the held frames go, in the order their slots were taken."""
+        publisher = self._publisher
+        if not self._held or publisher is None or publisher.is_closing():
+            return
+        held, self._held = self._held, collections.OrderedDict()
+        per_process: dict[str, list[str]] = {}
+        for (process, *_), (_, pair) in held.items():
+            per_process.setdefault(process, []).append(pair)
+        self._write(publisher, per_process)
+
+    def _write(self, publisher: asyncio.Transport, per_process: dict[str, list[str]]) -> None:
+        if per_process:
+            publisher.write(b"".join(command("PUBLISH", CHANNEL_PREFIX + process, self._payload(process, pairs))
+                                     for process, pairs in per_process.items()))
+        if publisher.get_write_buffer_size() > self.max_unsent_bytes:
+            log.warning("Redis has not read the process bus's last %d bytes; reconnecting (messages are lost)",
+                        publisher.get_write_buffer_size())
+            publisher.abort()
 
     def _payload(self, process: str, pairs: list[str]) -> str:
         listed = "[" + ",".join(pairs) + "]"
@@ -319,5 +401,6 @@ class Bus:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks = []
+        self._held.clear()
         self._publisher = None
         self._subscribed.clear()

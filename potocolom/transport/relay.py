@@ -4,9 +4,11 @@ inbox. Why and how, order and failure: docs/design/bus.md."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
+from collections.abc import Hashable
 from typing import Any
 
 import redis
@@ -17,11 +19,95 @@ from channels.generic.websocket import AsyncWebsocketConsumer
 from channels.layers import get_channel_layer
 from django.conf import settings
 
-from potocolom.transport.bus import Bus, process_of
+from potocolom.transport.bus import Bus, frame_key, frame_seq, process_of
 
 log = logging.getLogger(__name__)
+CONTROL_MAX = 10_000  # control messages waiting in one inbox; more: the consumer is stuck and fails
+CLIENT_MAX = 64  # the client socket's messages waiting in one inbox; more: its feed waits (TCP pushes back)
 
-_inboxes: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[dict[str, Any]]]] = {}
+
+class InboxOverflow(RuntimeError):
+    """More control messages wait for this consumer than it could ever catch up with."""
+
+
+class Inbox:
+    """A consumer's inbox, bounded. Control messages (states, placements, session_end, cancels)
+    keep their order and are never dropped; a frame waits in one slot per session, which a later
+    frame (by seq) of that session takes over in place (only the newest is kept); the client socket's
+    messages make their feed wait while CLIENT_MAX of them are waiting. docs/design/bus.md."""
+
+    def __init__(self, *, control_max: int = CONTROL_MAX, client_max: int = CLIENT_MAX) -> None:
+        self.control_max, self.client_max = control_max, client_max
+        self._items: collections.deque[Any] = collections.deque()  # messages, and _Slot markers for frames
+        self._frames: dict[Hashable, dict[str, Any]] = {}
+        self._controls = 0
+        self._clients = 0
+        self._changed = asyncio.Event()
+        self.replaced = 0  # frames dropped for a newer one of their session
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def put_nowait(self, message: Any) -> None:
+        """From a sender on the consumer's loop (or scheduled there from a thread)."""
+        key = frame_key(message) if isinstance(message, dict) else None
+        if key is not None:
+            if key in self._frames:
+                self.replaced += 1
+                if frame_seq(self._frames[key]) <= frame_seq(message):
+                    self._frames[key] = message  # in place: the slot keeps its turn
+                return
+            self._frames[key] = message
+            self._items.append(_Slot(key))
+        elif self._controls >= self.control_max and not isinstance(message, SourceFailed):
+            if self._controls == self.control_max:  # once: the consumer raises it when it gets there
+                self._items.append(SourceFailed(InboxOverflow(f"over {self.control_max} messages wait")))
+                self._controls += 1
+            return
+        else:
+            self._controls += 1
+            self._items.append(message)
+        self._changed.set()
+
+    async def put_from_client(self, message: Any) -> None:
+        """From the client socket's feed: waits while CLIENT_MAX of its messages wait."""
+        while self._clients >= self.client_max:
+            self._changed.clear()
+            await self._changed.wait()
+        self._clients += 1
+        self._items.append(_FromClient(message))
+        self._changed.set()
+
+    async def get(self) -> Any:
+        while not self._items:
+            self._changed.clear()
+            await self._changed.wait()
+        item = self._items.popleft()
+        self._changed.set()  # room, for a waiting feed
+        if isinstance(item, _Slot):
+            return self._frames.pop(item.key)
+        if isinstance(item, _FromClient):
+            self._clients -= 1
+            return item.message
+        self._controls -= 1
+        return item
+
+
+class _Slot:
+    __slots__ = ("key",)
+
+    def __init__(self, key: Hashable) -> None:
+        self.key = key
+
+
+class _FromClient:
+    __slots__ = ("message",)
+
+    def __init__(self, message: Any) -> None:
+        self.message = message
+
+
+_inboxes: dict[str, tuple[asyncio.AbstractEventLoop, Inbox]] = {}
 _members: dict[str, set[str]] = {}  # group -> this process's channels in it (through group_membership)
 GROUP_TARGET = "group:"  # a bus target naming a group: every local member of it
 
@@ -158,7 +244,7 @@ class RelayConsumer(AsyncWebsocketConsumer):
         # each feed it from a task of their own, and local senders put into it directly. (Channels'
         # await_many_dispatch waits on a fresh task per source after every message instead: an
         # asyncio.wait and a new task per frame.)
-        inbox: asyncio.Queue[Any] = asyncio.Queue()
+        inbox = Inbox()
         sources = [receive]
         if self.channel_layer is not None:
             self.channel_name = await self.channel_layer.new_channel()
@@ -172,12 +258,12 @@ class RelayConsumer(AsyncWebsocketConsumer):
             self.channel_name = f"local.{id(self)}"
         await _ensure_bus(self.channel_layer)
         _inboxes[self.channel_name] = (asyncio.get_running_loop(), inbox)
-        feeds = [asyncio.create_task(_feed(source, inbox)) for source in sources]
+        feeds = [asyncio.create_task(_feed(source, inbox, client=source is receive)) for source in sources]
         self.base_send = send
         try:
             while True:
                 message = await inbox.get()
-                if isinstance(message, _Failed):
+                if isinstance(message, SourceFailed):
                     raise message.error
                 await self.dispatch(message)
         except StopConsumer:
@@ -192,22 +278,27 @@ class RelayConsumer(AsyncWebsocketConsumer):
             await asyncio.gather(*feeds, return_exceptions=True)
 
 
-class _Failed:
+class SourceFailed:
     """A source that raised: the consumer raises it in turn, as channels' dispatch loop would."""
 
     def __init__(self, error: BaseException) -> None:
         self.error = error
 
 
-async def _feed(source: Any, inbox: asyncio.Queue[Any]) -> None:
-    """Move what a source yields into the consumer's inbox, in order, until it fails or is cancelled."""
+async def _feed(source: Any, inbox: Inbox, *, client: bool = False) -> None:
+    """Move what a source yields into the consumer's inbox, in order, until it fails or is cancelled
+    (the client socket's feed waits while its inbox is full)."""
     try:
         while True:
-            inbox.put_nowait(await source())
+            message = await source()
+            if client:
+                await inbox.put_from_client(message)
+            else:
+                inbox.put_nowait(message)
     except asyncio.CancelledError:
         raise
     except Exception as exc:
-        inbox.put_nowait(_Failed(exc))
+        inbox.put_nowait(SourceFailed(exc))
 
 
 # Group messages are notices (wake up, cancel this): the work they announce is in the database

@@ -30,6 +30,8 @@ class LocalAdmission:
     def __init__(self) -> None:
         self.board = SessionBoard()
         self._join_lock = threading.Lock()  # the check and the insert of a join are one step
+        self._admit_lock = threading.RLock()  # one admission at a time (not the board's lock)
+        self._load_lock = threading.Lock()
         self._loaded = False
 
     def load(self, *, now: datetime) -> None:
@@ -37,7 +39,7 @@ class LocalAdmission:
         (sockets do not outlive their process): it is closed and its metering stops."""
         if self._loaded:
             return
-        with self.board.lock:
+        with self._load_lock:
             if self._loaded:
                 return
             stale = list(RealtimeSession.objects.filter(state__in=OPEN_STATES).values_list("id", flat=True))
@@ -82,24 +84,29 @@ class LocalAdmission:
     # admission
 
     def admit(self, *, now: datetime) -> list[Placement]:
+        """First fit, each placement claimed by compare-and-set. The board's lock is never held
+        across the database: the frame path takes it on the event loop. Admissions follow one
+        another under a lock of their own instead."""
         board = self.board
-
-        def claim(placement: Placement) -> bool:
-            channel = board.channel_of(placement.worker_id)
-            if channel is None:
-                return False
-            claimed = RealtimeSession.objects.filter(id=placement.session_id, state=SessionState.QUEUED).update(
-                state=SessionState.PLACING, worker_id=placement.worker_id) == 1
-            if claimed:
-                entry = board.sessions[placement.session_id]
-                to_socket_after_commit(channel, SessionStart(placement.session_id, placement.model_id,
-                                                             dict(entry.params)).to_wire())
-            return claimed
-
-        done = board.plan(claim)
-        for browser, position in board.position_changes():
-            to_socket_after_commit(browser, Queued(position).to_wire())
-        return [placement for placement, _ in done]
+        done: list[Placement] = []
+        skipped: set[str] = set()
+        with self._admit_lock:
+            while planned := board.plan(skip=skipped):
+                for placement in planned:
+                    channel = board.channel_of(placement.worker_id)
+                    claimed = channel is not None and RealtimeSession.objects.filter(
+                        id=placement.session_id, state=SessionState.QUEUED).update(
+                        state=SessionState.PLACING, worker_id=placement.worker_id) == 1
+                    entry = board.place(placement) if claimed else None
+                    if entry is None or channel is None:
+                        skipped.add(placement.session_id)
+                        continue
+                    to_socket_after_commit(channel, SessionStart(placement.session_id, placement.model_id,
+                                                                 dict(entry.params)).to_wire())
+                    done.append(placement)
+            for browser, position in board.position_changes():
+                to_socket_after_commit(browser, Queued(position).to_wire())
+        return done
 
     def accept(self, *, worker_id: str, session_id: str, channel_name: str, now: datetime) -> bool:
         with transaction.atomic():
@@ -114,12 +121,9 @@ class LocalAdmission:
             self.end_on_worker(worker_id, session_id, channel_name)
             return False
         route = self.board.route(session_id)
-        if route.browser:
-            notify_after_commit(route.browser, {"type": "session.live",
+        if route.browser:  # its consumer sends the newest frame it kept meanwhile
+            notify_after_commit(route.browser, {"type": "session.live", "worker_channel": channel_name,
                                                 "message": Live(entry.model_id, worker_id).to_wire()})
-        frame = self.board.take_pending(session_id)
-        if frame is not None and route.worker:
-            to_socket_after_commit(route.worker, frame)
         return True
 
     def refuse(self, *, worker_id: str, session_id: str, now: datetime) -> bool:

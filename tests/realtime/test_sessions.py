@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import base64
 import json
+import time
 from datetime import timedelta
 
 import pytest
@@ -53,7 +54,8 @@ def get(account, path: str):
 
 # --- frames --------------------------------------------------------------------------------------
 
-async def test_it_relays_frames_both_ways_and_drops_results_older_than_one_shown(models, sockets, alice):
+async def test_it_relays_frames_both_ways_and_drops_results_older_than_one_shown(models, sockets, alice, settings):
+    settings.FRAME_BUDGET_MS = 50.0  # frame 1 unanswered holds frame 2 back for 0.1 s
     browser, worker = sockets
     host = await worker()
     session, session_id = await go_live(browser, host, alice)
@@ -64,15 +66,125 @@ async def test_it_relays_frames_both_ways_and_drops_results_older_than_one_shown
     assert relayed[0] == {"type": "frame", "session_id": session_id, "seq": 1, "image": PNG_B64,
                           "params": {"prompt": "a green field"}}
     assert relayed[1]["seq"] == 2
-    await host.send({"type": "frame_result", "session_id": session_id, "seq": 2, "image": RESULT_B64,
-                     "gpu_ms": 5.0, "batch_size": 1})
-    await host.send({"type": "frame_result", "session_id": session_id, "seq": 1, "image": RESULT_B64,
-                     "gpu_ms": 5.0, "batch_size": 1})
+    await host.send(result(session_id, 2))
+    await host.send(result(session_id, 1))
 
     shown = await session.expect("frame")
     assert shown["seq"] == 2 and shown["image"] == f"data:image/png;base64,{RESULT_B64}"
     assert isinstance(shown["ms"], float) and shown["ms"] >= 0
     assert await session.silent()  # seq 1 came back late: dropped, never shown
+
+
+def result(session_id: str, seq: int) -> dict:
+    return {"type": "frame_result", "session_id": session_id, "seq": seq, "image": RESULT_B64, "gpu_ms": 5.0,
+            "batch_size": 1}
+
+
+# --- backpressure: one frame in flight per live session ------------------------------------------
+
+async def test_one_frame_is_in_flight_and_the_newest_goes_after_its_result(models, sockets, alice, settings):
+    settings.FRAME_BUDGET_MS = 30_000.0  # no timeout within the test: only the result lets the next go
+    browser, worker = sockets
+    host = await worker()
+    session, session_id = await go_live(browser, host, alice)
+
+    for seq in (1, 2, 3, 4):
+        await session.send(frame(seq, f"prompt {seq}"))
+    assert (await host.receive())["seq"] == 1
+    assert await host.silent()  # 2, 3 and 4 wait: only the newest of them is kept
+
+    await host.send(result(session_id, 1))
+    assert (await session.expect("frame"))["seq"] == 1
+    newest = await host.receive()
+    assert (newest["seq"], newest["params"]) == (4, {"prompt": "prompt 4"})
+    assert await host.silent()
+    await host.send(result(session_id, 4))
+    assert (await session.expect("frame"))["seq"] == 4
+    await session.send(frame(5))
+    assert (await host.receive())["seq"] == 5  # nothing in flight: it goes at once
+
+
+async def test_an_unanswered_frame_holds_the_next_back_for_twice_the_frame_budget(models, sockets, alice, settings):
+    settings.FRAME_BUDGET_MS = 150.0
+    browser, worker = sockets
+    host = await worker()
+    session, session_id = await go_live(browser, host, alice)
+    await session.send(frame(1))
+    assert (await host.receive())["seq"] == 1
+    sent = time.monotonic()
+
+    await session.send(frame(2))
+    await session.send(frame(3))
+
+    due = await host.receive(timeout=5)
+    assert due["seq"] == 3
+    assert time.monotonic() - sent >= 2 * settings.FRAME_BUDGET_MS / 1000 - 0.01
+    assert await host.silent()
+
+
+async def test_a_frame_kept_while_live_is_not_sent_after_the_slot_is_lost(models, sockets, alice, settings):
+    settings.FRAME_BUDGET_MS = 30_000.0
+    browser, worker = sockets
+    host = await worker(slots=1)
+    session, session_id = await go_live(browser, host, alice)
+    await session.send(frame(1))
+    assert (await host.receive())["seq"] == 1
+    await session.send(frame(2))  # kept: 1 is in flight
+
+    await host.close()
+    assert await session.expect_state("queued", position=1)
+    replacement = await worker("host-b:0", slots=1)
+    start = await replacement.receive()
+    await replacement.send({"type": "session_accepted", "session_id": start["session_id"]})
+    await session.expect_state("live", worker_id="host-b:0")
+
+    assert (await replacement.receive())["seq"] == 2  # the new worker gets the newest at once
+
+
+# --- images are checked from their header --------------------------------------------------------
+
+GIF_B64 = base64.b64encode(b"GIF89a\x01\x00\x01\x00\x80\x00\x00\x00\x00\x00\xff\xff\xff!\xf9\x04\x00"
+                           b"\x00\x00\x00\x00,\x00\x00\x00\x00\x01\x00\x01\x00\x00\x02\x02D\x01\x00;").decode()
+
+
+@pytest.mark.parametrize(("image", "reason"), [
+    (f"data:image/png;base64,{GIF_B64}", "PNG, JPEG or WebP"),
+    ("data:image/png;base64,AAAA", "PNG, JPEG or WebP"),
+    ("data:image/png;base64,****", "base64"),
+    ("data:image/gif;base64," + GIF_B64, "data:image/png"),
+    (f"data:image/png;base64,{base64.b64encode(tiny_png(3, 2)).decode()}", "more than 5"),
+])
+async def test_a_frame_whose_image_is_refused_gets_error_and_reaches_no_worker(models, sockets, alice, settings,
+                                                                               image, reason):
+    settings.MAX_IMAGE_PIXELS = 5
+    browser, worker = sockets
+    host = await worker()
+    session, session_id = await go_live(browser, host, alice)
+
+    await session.send({"type": "frame", "seq": 1, "image": image, "params": {"prompt": "x"}})
+
+    refused = await session.expect("error")
+    assert reason in refused["error"], refused
+    assert await host.silent()
+    await session.send(frame(2))  # 2 x 2: within the cap; the socket stayed open
+    assert (await host.receive())["seq"] == 2
+
+
+async def test_a_webp_frame_goes_to_the_worker(models, sockets, alice):
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (4, 4), "red").save(buffer, format="WEBP")
+    browser, worker = sockets
+    host = await worker()
+    session, _ = await go_live(browser, host, alice)
+
+    await session.send({"type": "frame", "seq": 1, "params": {"prompt": "x"},
+                        "image": "data:image/webp;base64," + base64.b64encode(buffer.getvalue()).decode()})
+
+    assert (await host.receive())["image"] == base64.b64encode(buffer.getvalue()).decode()
 
 
 async def test_it_labels_a_jpeg_result_as_jpeg(models, sockets, alice):

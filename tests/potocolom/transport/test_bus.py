@@ -3,6 +3,7 @@ consumer named in it, in order; process names come from the channel layer's chan
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import uuid
@@ -246,3 +247,83 @@ def test_what_another_publisher_put_on_the_channel_is_dropped_and_the_bus_reads_
         bus.dispatch(junk)
     bus.dispatch(b'[["specific.me!a", {"seq": 1}]]')
     assert got == [{"seq": 1}]
+
+
+class PausableProxy:
+    """A TCP proxy in front of Redis whose reading from its clients can be paused: a Redis that has
+    stopped reading, as far as the bus can tell."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.clients: list[asyncio.StreamReader] = []
+        self.paused = asyncio.Event()
+        self.paused.set()  # set: reading
+        self.server: asyncio.base_events.Server | None = None
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return self.server.sockets[0].getsockname()[1]
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        upstream_reader, upstream_writer = await asyncio.open_connection(self.host, self.port)
+
+        async def pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter, pausable: bool) -> None:
+            with contextlib.suppress(ConnectionError, asyncio.CancelledError):
+                while data := await source.read(65536):
+                    if pausable:
+                        await self.paused.wait()
+                    sink.write(data)
+                    await sink.drain()
+            sink.close()
+
+        await asyncio.gather(pipe(reader, upstream_writer, True), pipe(upstream_reader, writer, False))
+
+    async def close(self) -> None:
+        assert self.server is not None
+        self.server.close()
+
+
+@pytest.mark.skipif(not redis_up(), reason=f"no Redis at {REDIS_URL}")
+async def test_a_full_bus_keeps_the_newest_frame_and_drops_no_control_message():
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(REDIS_URL)
+    proxy = PausableProxy(parts.hostname or "127.0.0.1", parts.port or 6379)
+    proxy_port = await proxy.start()
+    got: list[dict[str, Any]] = []
+    controls = asyncio.Event()
+
+    def deliver(target: str, message: dict[str, Any]) -> bool:
+        got.append(message)
+        if [m["message"]["type"] for m in got if m["message"]["type"] != "frame"] == ["session_end", "cancel"]:
+            controls.set()
+        return True
+
+    b_process = f"b{uuid.uuid4().hex}"
+    a = Bus(f"redis://127.0.0.1:{proxy_port}/0", f"a{uuid.uuid4().hex}", lambda target, message: False,
+            frame_unsent_bytes=64 * 1024)
+    b = Bus(REDIS_URL, b_process, deliver)
+    await a.start()
+    await b.start()
+    target, image = f"specific.{b_process}!worker", "A" * 100_000
+    try:
+        proxy.paused.clear()  # Redis stops reading what the publisher writes
+        for seq in range(200):  # 20 MB of frames of one session, one per loop turn
+            a.post(b_process, target, {"type": "socket.send", "message": {"type": "frame", "session_id": "s1",
+                                                                          "seq": seq, "image": image}})
+            await asyncio.sleep(0)
+        a.post(b_process, target, {"type": "socket.send", "message": {"type": "session_end", "session_id": "s1"}})
+        await asyncio.sleep(0)
+        a.post(b_process, target, {"type": "socket.send", "message": {"type": "cancel", "job_id": "j1"}})
+        await asyncio.sleep(0)
+        assert a.frames_replaced > 0, "Redis never fell behind: nothing was held"
+        proxy.paused.set()
+        await asyncio.wait_for(controls.wait(), 20)
+        await until(lambda: any(m["message"].get("seq") == 199 for m in got), "the newest frame")
+    finally:
+        await a.close()
+        await b.close()
+        await proxy.close()
+    frames = [m["message"]["seq"] for m in got if m["message"]["type"] == "frame"]
+    assert frames == sorted(frames) and len(frames) < 200, "frames in order, the older held ones dropped"
+    assert a.lost == 0

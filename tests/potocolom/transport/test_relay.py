@@ -99,3 +99,31 @@ async def test_without_the_bus_a_notice_for_the_others_is_a_group_send_to_every_
     await asyncio.to_thread(relay.group_send_others_sync, "others", {"type": "jobs.available"})
 
     assert await layer.receive(name) == {"type": "jobs.available"}
+
+
+async def test_an_inbox_keeps_the_newest_frame_per_session_and_every_control_message_in_order():
+    inbox = relay.Inbox()
+    for seq in range(1000):
+        inbox.put_nowait({"type": "socket.send", "message": {"type": "frame", "session_id": "s1", "seq": seq}})
+        if seq == 10:
+            inbox.put_nowait({"type": "socket.send", "message": {"type": "session_start", "session_id": "s2"}})
+    inbox.put_nowait({"type": "socket.send", "message": {"type": "frame", "session_id": "s1", "seq": 3}})  # late
+    inbox.put_nowait({"type": "session.frame", "seq": 7})
+    inbox.put_nowait({"type": "socket.send", "message": {"type": "session_end", "session_id": "s1"}})
+
+    got = [(await inbox.get()) for _ in range(len(inbox))]
+
+    assert [(m["type"], m.get("message", {}).get("type"), m.get("message", m).get("seq")) for m in got] == [
+        ("socket.send", "frame", 999), ("socket.send", "session_start", None), ("session.frame", None, 7),
+        ("socket.send", "session_end", None)]
+
+
+async def test_an_inbox_of_a_stuck_consumer_fails_it_rather_than_drop_a_control_message():
+    inbox = relay.Inbox(control_max=3)
+    for n in range(5):
+        inbox.put_nowait({"type": "socket.send", "message": {"type": "state", "n": n}})
+
+    got = [(await inbox.get()) for _ in range(len(inbox))]
+
+    assert [m["message"]["n"] for m in got[:3]] == [0, 1, 2]
+    assert isinstance(got[3], relay.SourceFailed) and isinstance(got[3].error, relay.InboxOverflow)
