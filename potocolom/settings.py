@@ -3,6 +3,7 @@ overridden by an environment variable of the same name; a bad value fails loudly
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
 from potocolom.protocol.rungs import MEMORY_MODES
+from potocolom.web.secret_key import secret_key_from_file
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -55,9 +57,29 @@ def envbool(name: str, default: bool) -> bool:
     raise ImproperlyConfigured(f"{name} must be a boolean, got {raw!r}")
 
 
-SECRET_KEY = envstr("SECRET_KEY", "potocolom-development-key-change-me-in-production") or ""
+def envlist(name: str, default: str) -> list[str]:
+    """A comma-separated list (blanks dropped)."""
+    return [item.strip() for item in (envstr(name, default) or "").split(",") if item.strip()]
+
+
 DEBUG = envbool("DEBUG", False)
-ALLOWED_HOSTS = (envstr("ALLOWED_HOSTS", "*") or "*").split(",")
+# Never a built-in key: unset, one is made at random at first start and kept (mode 0600).
+SECRET_KEY_FILE = Path(envstr("SECRET_KEY_FILE", str(BASE_DIR / ".secret_key")) or "")
+SECRET_KEY = envstr("SECRET_KEY", None) or secret_key_from_file(SECRET_KEY_FILE)
+# Any other Host header answers 400 (Django's check; its test runner adds "testserver").
+ALLOWED_HOSTS = envlist("ALLOWED_HOSTS", "localhost,127.0.0.1,[::1]")
+CSRF_TRUSTED_ORIGINS = envlist("CSRF_TRUSTED_ORIGINS", "")
+
+# HTTPS=true: served behind a TLS proxy that sets X-Forwarded-Proto (or by Daphne with TLS).
+HTTPS = envbool("HTTPS", False)
+HSTS_PRELOAD = envbool("HSTS_PRELOAD", False)
+if HTTPS:
+    SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = True
+    SECURE_SSL_REDIRECT = True
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+    SECURE_HSTS_SECONDS = 31536000
+    SECURE_HSTS_INCLUDE_SUBDOMAINS = True
+    SECURE_HSTS_PRELOAD = HSTS_PRELOAD  # hard to undo once browsers ship the list: opt-in
 
 # --- the contract's settings -------------------------------------------------------------------
 JOB_DISPATCH_DEPTH = envint("JOB_DISPATCH_DEPTH", 2, minimum=1)
@@ -80,6 +102,23 @@ if JOB_QUEUE not in ("memory", "redis") or (JOB_QUEUE == "redis" and not REDIS_U
 QUEUE_REBUILD_AT_START = envbool("QUEUE_REBUILD_AT_START", True)
 # A browser message over this closes the socket with 4009; worker messages carry whole images.
 BROWSER_MESSAGE_MAX_BYTES = 4 * 1024 * 1024
+
+# --- limits of what a client may send (docs/operations.md) ------------------------------------
+JOB_SUBMIT_RATE = envstr("JOB_SUBMIT_RATE", "600/minute") or ""
+if not re.fullmatch(r"[1-9][0-9]*/(s|sec|second|m|min|minute|h|hour|d|day)", JOB_SUBMIT_RATE):
+    raise ImproperlyConfigured(f"JOB_SUBMIT_RATE must read like 600/minute (per second, minute, hour or day), "
+                               f"got {JOB_SUBMIT_RATE!r}")
+# A body over this answers 413 from its Content-Length, before anything reads it; Django's own cap agrees.
+MAX_REQUEST_BYTES = envint("MAX_REQUEST_BYTES", 10 * 1024 * 1024, minimum=1024)
+DATA_UPLOAD_MAX_MEMORY_SIZE = MAX_REQUEST_BYTES
+MAX_IMAGE_PIXELS = envint("MAX_IMAGE_PIXELS", 4194304, minimum=1)
+# Caps for a model whose params_schema sets no maximum of its own.
+MAX_IMAGE_SIDE = envint("MAX_IMAGE_SIDE", 2048, minimum=8)
+MAX_STEPS = envint("MAX_STEPS", 150, minimum=1)
+LOGIN_FAILURE_LIMIT = envint("LOGIN_FAILURE_LIMIT", 10, minimum=1)
+LOGIN_FAILURE_SECONDS = 15 * 60  # the window the failures are counted in, and the lockout after them
+# PostgreSQL's connect, statement and lock timeouts, and Redis's (0: none): waiting longer answers 503.
+DATABASE_TIMEOUT_SECONDS = envint("DATABASE_TIMEOUT_SECONDS", 5, minimum=0)
 
 INSTALLED_APPS = [
     "daphne",
@@ -108,6 +147,8 @@ MIDDLEWARE = [
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
+    # Too many failed logins for one username and address: that pair answers 429 for a while.
+    "potocolom.web.logins.LoginFailureMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     # A lost database answers 503 (with Retry-After), not 500, until it is back.
@@ -149,7 +190,20 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
          "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;"}
     )
 
+if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql" and DATABASE_TIMEOUT_SECONDS:
+    # A statement or lock wait past the timeout fails (OperationalError) and the request answers 503.
+    milliseconds = DATABASE_TIMEOUT_SECONDS * 1000
+    DATABASES["default"].setdefault("OPTIONS", {}).update(
+        {"connect_timeout": max(DATABASE_TIMEOUT_SECONDS, 2),  # libpq takes 2 s as its least
+         "options": f"-c statement_timeout={milliseconds} -c lock_timeout={milliseconds}"}
+    )
+
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+# Redis's timeouts: a connect waits DATABASE_TIMEOUT_SECONDS; a read as long, past the channel
+# layer's own 5 s blocking pop (a shorter read timeout closes idle sockets, channels_redis issue 422).
+REDIS_CONNECT_TIMEOUT = float(DATABASE_TIMEOUT_SECONDS) or None
+REDIS_READ_TIMEOUT = 5.0 + DATABASE_TIMEOUT_SECONDS if DATABASE_TIMEOUT_SECONDS else None
 
 if REDIS_URL:
     CHANNEL_LAYERS = {
@@ -157,12 +211,23 @@ if REDIS_URL:
             "BACKEND": "channels_redis.core.RedisChannelLayer",
             # redis-py 8's defaults close idle sockets after 5 s (code 1011) and cap the pool at 100
             # connections (channels_redis issue 422): no socket timeout, a larger pool.
-            "CONFIG": {"hosts": [{"address": REDIS_URL, "socket_timeout": None, "max_connections": 1000}],
+            "CONFIG": {"hosts": [{"address": REDIS_URL, "socket_timeout": REDIS_READ_TIMEOUT,
+                                  "socket_connect_timeout": REDIS_CONNECT_TIMEOUT, "max_connections": 1000}],
                        "capacity": 1000, "expiry": 60},
+        }
+    }
+    # One cache for every API process: the job submission rate and login failures hold across them.
+    CACHES = {
+        "default": {
+            "BACKEND": "django.core.cache.backends.redis.RedisCache",
+            "LOCATION": REDIS_URL,
+            "KEY_PREFIX": "potocolom",
+            "OPTIONS": {"socket_timeout": REDIS_CONNECT_TIMEOUT, "socket_connect_timeout": REDIS_CONNECT_TIMEOUT},
         }
     }
 else:
     CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer", "CONFIG": {"capacity": 1000}}}
+    CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache", "LOCATION": "potocolom"}}
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
@@ -178,6 +243,9 @@ REST_FRAMEWORK = {
     "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.PageNumberPagination",
     "PAGE_SIZE": 50,
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    # Only job submission is throttled (scheduling.throttles reads JOB_SUBMIT_RATE); the history
+    # lives in Django's cache, shared by every API process when REDIS_URL is set.
+    "DEFAULT_THROTTLE_RATES": {"job_submit": JOB_SUBMIT_RATE},
     "EXCEPTION_HANDLER": "potocolom.web.errors.api_exception_handler",
     "UNAUTHENTICATED_USER": None,
 }
@@ -188,7 +256,12 @@ SPECTACULAR_SETTINGS = {
     "SERVE_INCLUDE_SCHEMA": False,
 }
 
-AUTH_PASSWORD_VALIDATORS: list[dict] = []
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+    {"NAME": "django.contrib.auth.password_validation.NumericPasswordValidator"},
+]
 LOGIN_URL = "/accounts/login/"
 LOGIN_REDIRECT_URL = "/"
 

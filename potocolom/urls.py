@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from django.contrib import admin
 from django.urls import include, path
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import extend_schema
 from drf_spectacular.views import SpectacularAPIView
 from rest_framework.decorators import api_view, permission_classes
 from rest_framework.permissions import AllowAny
@@ -20,6 +22,7 @@ router = SimpleRouter(trailing_slash=True)
 router.register("jobs", JobViewSet, basename="job")
 
 
+@extend_schema(responses={200: OpenApiTypes.OBJECT})
 @api_view(["GET"])
 @permission_classes([AllowAny])
 def api_root(request: Request) -> Response:
