@@ -98,6 +98,11 @@ def test_redis_gets_timeouts_and_a_shared_cache(tmp_path):
     assert local["BACKEND"] == "django.core.cache.backends.locmem.LocMemCache"
 
 
+def test_django_s_own_body_cap_agrees_with_max_request_bytes(tmp_path):
+    assert settings_of(tmp_path, "MAX_REQUEST_BYTES", "DATA_UPLOAD_MAX_MEMORY_SIZE", MAX_REQUEST_BYTES="5000") == {
+        "MAX_REQUEST_BYTES": 5000, "DATA_UPLOAD_MAX_MEMORY_SIZE": 5000}
+
+
 @pytest.mark.parametrize(("name", "value"), [("JOB_SUBMIT_RATE", "600/fortnight"), ("JOB_SUBMIT_RATE", "lots"),
                                              ("MAX_REQUEST_BYTES", "ten"), ("HTTPS", "maybe")])
 def test_a_bad_setting_fails_at_start(tmp_path, name, value):
