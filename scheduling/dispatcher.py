@@ -31,7 +31,21 @@ class ConnectedWorker:
     channel_name: str
     models: frozenset[str]
     joined: int
-    held: set[str] = field(default_factory=set)
+    held: set[str] = field(default_factory=set)  # every job counted against its depth
+    protocol: int = 1  # its hello's: a v2 worker answers `cancel` with job_failed
+    # Of `held`, the jobs it was told to cancel (v2): they count until the worker lets them go.
+    letting_go: set[str] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class Joined:
+    """What a worker's hello changed here: the channel of an older connection it replaced, the jobs
+    to send `cancel` for, and (v2) the jobs the API gave it that its hello does not list (dead-worker
+    rule at once)."""
+
+    replaced: str | None
+    cancel: set[str]
+    lost: set[str]
 
 
 @dataclass
@@ -70,21 +84,31 @@ class Dispatcher:
     # workers
 
     def connect(self, *, worker_id: str, channel_name: str, models: Iterable[str],
-                held: Iterable[str] = ()) -> tuple[str | None, set[str]]:
-        """Register a worker's connection; it keeps the jobs it held before (a reconnect, this
-        process's restart, or `held`: what the database says it holds, e.g. after the API process
-        it was connected to died). Returns the channel of an older connection with the same id, if
-        any, and the jobs cancelled while it was away, which it must be told of."""
+                held: Iterable[str] = (), protocol: int = 1, listed: Iterable[str] | None = None) -> Joined:
+        """Register a worker's connection. The API gives it the jobs it held before (a reconnect,
+        this process's restart, or `held`: what the database says it holds, e.g. after the API
+        process it was connected to died). A v1 hello (`listed` None) keeps them all, and is told
+        of the jobs cancelled while it was away. A v2 hello keeps those it lists; the others are
+        `lost`, and a listed job the API does not give it gets `cancel` (it counts against the
+        worker's depth until the worker lets it go)."""
         with self.lock:
             previous = self.workers.pop(worker_id, None)
-            held = (previous.held if previous else set()) | set(held)
+            given = set(held) | ((previous.held - previous.letting_go) if previous else set())
             orphans = self.orphans.pop(worker_id, None)
             if orphans:
-                held |= orphans.held
-            self.workers[worker_id] = ConnectedWorker(worker_id, channel_name, frozenset(models),
-                                                      next(self._joined), held)
+                given |= orphans.held
             replaced = previous.channel_name if previous and previous.channel_name != channel_name else None
-            return replaced, orphans.cancelled if orphans else set()
+            if listed is None:
+                joined = Joined(replaced, orphans.cancelled if orphans else set(), set())
+                letting_go = previous.letting_go if previous else set()
+                kept = given | letting_go
+            else:
+                listed = set(listed)
+                joined = Joined(replaced, listed - given, given - listed)
+                letting_go, kept = joined.cancel, (given & listed) | joined.cancel
+            self.workers[worker_id] = ConnectedWorker(worker_id, channel_name, frozenset(models),
+                                                      next(self._joined), kept, protocol, set(letting_go))
+            return joined
 
     def disconnect(self, *, worker_id: str, channel_name: str) -> set[str] | None:
         """Forget a connection; the jobs it held (to send back), or None when a newer connection of
@@ -132,14 +156,22 @@ class Dispatcher:
         with self.lock:
             return self.queues.remove(job_id) is not None
 
-    def release(self, job_id: str, *, worker_id: str | None = None) -> str | None:
+    def release(self, job_id: str, *, worker_id: str | None = None, until_let_go: bool = False) -> str | None:
         """A held job ended or left its worker (only `worker_id`, when given); the worker that held
-        it, or None. A job taken from a worker that has not reconnected since this process started
-        is remembered, so that worker is told to cancel it when it comes back."""
+        it, or None. With `until_let_go` (a cancel), a v2 worker keeps it counted against its depth
+        until its job_failed or job_result for it comes (a release naming that worker); a v1
+        worker's place frees at once. A job taken from a worker that has not reconnected since this
+        process started is remembered, so that worker is told to cancel it when it comes back."""
         with self.lock:
             for worker in self.workers.values():
                 if job_id in worker.held and worker_id in (None, worker.worker_id):
-                    worker.held.discard(job_id)
+                    if job_id in worker.letting_go and worker_id is None:
+                        continue  # cancelled already: only that worker's answer frees it
+                    if until_let_go and worker.protocol >= 2:
+                        worker.letting_go.add(job_id)
+                    else:
+                        worker.held.discard(job_id)
+                        worker.letting_go.discard(job_id)
                     return worker.worker_id
             for orphan_id, orphans in self.orphans.items():
                 if job_id in orphans.held and worker_id in (None, orphan_id):

@@ -134,7 +134,8 @@ def _tell_holder(current: Dispatcher, holder: str | None, job_id: str, worker_id
 
 
 def job_cancel(*, job: Job, now: datetime) -> Job:
-    """Cancel a job that has not ended; a worker holding it gets `cancel`. JobAlreadyEnded otherwise."""
+    """Cancel a job that has not ended; a worker holding it gets `cancel` (a v2 worker's place frees
+    when it lets the job go, a v1 worker's at once). JobAlreadyEnded otherwise."""
     with transaction.atomic():
         cancelled = Job.objects.filter(id=job.id, state__in=ACTIVE_STATES).update(
             state=JobState.CANCELLED, finished_at=now)
@@ -143,7 +144,7 @@ def job_cancel(*, job: Job, now: datetime) -> Job:
         raise JobAlreadyEnded(f"job {job.id} already ended: {job.state}")
     current = dispatcher()
     current.remove(str(job.id))
-    holder = current.release(str(job.id))
+    holder = current.release(str(job.id), until_let_go=True)
     _tell_holder(current, holder, str(job.id), job.worker_id)
     if holder:
         jobs_dispatch(now=now)
@@ -211,26 +212,38 @@ def job_finish(*, worker_id: str, job_id: str, images: list[str], gpu_ms: float 
         decoded = [decode_image(image) for image in images]
     except ValueError as exc:
         return job_fail(worker_id=worker_id, job_id=job_id, error=f"the worker sent a bad image: {exc}", now=now)
-    names = []
-    for n, (data, extension) in enumerate(decoded):
-        names.append(default_storage.save(f"jobs/{job_id}/{n}.{extension}", ContentFile(data)))
-    finished = Job.objects.filter(id=job_id, worker_id=worker_id, state__in=HELD_STATES).update(
-        state=JobState.SUCCEEDED, images=names, gpu_ms=gpu_ms, rung=rung[:40], finished_at=now,
-        started_at=Coalesce(F("started_at"), Value(now))) == 1
+    names: list[str] = []
+    try:
+        for n, (data, extension) in enumerate(decoded):
+            names.append(default_storage.save(f"jobs/{job_id}/{n}.{extension}", ContentFile(data)))
+        finished = Job.objects.filter(id=job_id, worker_id=worker_id, state__in=HELD_STATES).update(
+            state=JobState.SUCCEEDED, images=names, gpu_ms=gpu_ms, rung=rung[:40], finished_at=now,
+            started_at=Coalesce(F("started_at"), Value(now))) == 1
+    except Exception:
+        _delete_images(names)  # nothing stored: the caller does not ack, and a v2 worker sends it again
+        raise
     if not finished:
-        for name in names:
-            default_storage.delete(name)
-        return False
+        _delete_images(names)
+    # A result ends the worker's hold on the job even when it changed nothing (cancelled meanwhile:
+    # a v2 worker's cancelled job counts against its depth until then).
     _release_and_dispatch(job_id, worker_id, now=now)
-    return True
+    return finished
+
+
+def _delete_images(names: list[str]) -> None:
+    for name in names:
+        try:
+            default_storage.delete(name)
+        except Exception:  # the storage is failing: a stray file is no reason to lose the answer
+            log.exception("could not delete %s", name)
 
 
 def job_fail(*, worker_id: str, job_id: str, error: str, now: datetime) -> bool:
     """A failure the worker reports is final."""
     failed = Job.objects.filter(id=job_id, worker_id=worker_id, state__in=HELD_STATES).update(
         state=JobState.FAILED, error=str(error)[:2000] or "failed", finished_at=now) == 1
-    if failed:
-        _release_and_dispatch(job_id, worker_id, now=now)
+    # Also when it changed nothing: a v2 worker answers `cancel` so, and its place frees only now.
+    _release_and_dispatch(job_id, worker_id, now=now)
     return failed
 
 
@@ -240,8 +253,10 @@ def _release_and_dispatch(job_id: str, worker_id: str, *, now: datetime) -> None
 
 
 def job_left_worker(*, worker_id: str, job_id: str, now: datetime) -> None:
-    """Another API process cancelled or requeued a job this process's worker holds: its place frees."""
-    _release_and_dispatch(job_id, worker_id, now=now)
+    """Another API process cancelled or requeued a job this process's worker holds: its place frees
+    (a v2 worker's once it lets the job go: its job_failed or job_result)."""
+    if dispatcher().release(job_id, worker_id=worker_id, until_let_go=True):
+        jobs_dispatch(now=now)
 
 
 def jobs_return(*, job_ids: set[str], now: datetime) -> None:
@@ -266,18 +281,24 @@ def jobs_return(*, job_ids: set[str], now: datetime) -> None:
 
 # --- workers connecting and leaving (called by workers.lifecycle) ------------------------------
 
-def worker_jobs_connect(*, worker_id: str, channel_name: str, models: list[str], now: datetime) -> str | None:
+def worker_jobs_connect(*, worker_id: str, channel_name: str, models: list[str], now: datetime,
+                        protocol: int = 1, listed: tuple[str, ...] | None = None) -> str | None:
     """Register a worker connection and hand it work; the channel of a connection it replaced.
-    Jobs cancelled while it was away (this API restarted meanwhile) are cancelled on it first."""
+    A v1 worker keeps every job the API gave it, and jobs cancelled while it was away (this API
+    restarted meanwhile) are cancelled on it first. A v2 worker (`listed`: its hello's `jobs`)
+    keeps those it lists, the others follow the dead-worker rule at once, and a listed job the API
+    does not give it gets `cancel`."""
     held = {str(job_id) for job_id in Job.objects.filter(worker_id=worker_id, state__in=HELD_STATES)
             .values_list("id", flat=True)}
-    replaced, cancelled = dispatcher().connect(worker_id=worker_id, channel_name=channel_name, models=models,
-                                               held=held)
-    for job_id in sorted(cancelled):
+    joined = dispatcher().connect(worker_id=worker_id, channel_name=channel_name, models=models, held=held,
+                                  protocol=protocol, listed=listed)
+    for job_id in sorted(joined.cancel):
         to_socket_after_commit(channel_name, Cancel(job_id).to_wire())
+    if joined.lost:
+        jobs_return(job_ids=joined.lost, now=now)
     orphans_sweep(now=now)
     jobs_dispatch(now=now)
-    return replaced
+    return joined.replaced
 
 
 def worker_jobs_disconnect(*, worker_id: str, channel_name: str, now: datetime) -> bool:

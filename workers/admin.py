@@ -1,10 +1,13 @@
 """Operators' view of workers (connected, models, jobs in flight) and their credentials."""
 from __future__ import annotations
 
-from django.contrib import admin
+from django.contrib import admin, messages
+from django.db.models import QuerySet
+from django.http import HttpRequest
 
 from scheduling.models import HELD_STATES, Job
 from workers.models import Worker, WorkerToken
+from workers.services import worker_tokens_revoke
 
 
 @admin.register(Worker)
@@ -40,6 +43,15 @@ class WorkerAdmin(admin.ModelAdmin):
 
 @admin.register(WorkerToken)
 class WorkerTokenAdmin(admin.ModelAdmin):
+    """Revoking goes through the action (as `manage.py revoke_worker_token`): it also ends the
+    token's worker_id bindings, and its open sockets close within a heartbeat period."""
+
     list_display = ["name", "created_at", "revoked"]
-    readonly_fields = ["token_hash", "created_at"]
-    list_editable = ["revoked"]
+    list_filter = ["revoked"]
+    readonly_fields = ["token_hash", "created_at", "revoked"]
+    actions = ["revoke"]
+
+    @admin.action(description="Revoke the selected worker tokens (their workers are disconnected)")
+    def revoke(self, request: HttpRequest, queryset: QuerySet[WorkerToken]) -> None:
+        count = worker_tokens_revoke(token_ids=list(queryset.values_list("pk", flat=True)))
+        self.message_user(request, f"revoked {count}", messages.SUCCESS)

@@ -1,5 +1,6 @@
-"""The worker socket /ws/worker/?token=T: translates between the wire (potocolom.protocol.worker) and
-workers.lifecycle, scheduling and realtime."""
+"""The worker socket /ws/worker/ (token in `Authorization: Token T` or `?token=T`): translates between
+the wire (potocolom.protocol.worker) and workers.lifecycle, scheduling and realtime. v2 messages
+(job_ack) go only to a worker whose hello said `"protocol": 2`. The story: docs/protocol.md."""
 from __future__ import annotations
 
 import asyncio
@@ -16,10 +17,13 @@ from django.utils import timezone
 from potocolom.protocol import close_codes
 from potocolom.protocol.errors import MessageError
 from potocolom.protocol.worker import (
+    PROTOCOL_V1,
+    PROTOCOL_V2,
     Cancel,
     FrameResult,
     Heartbeat,
     Hello,
+    JobAck,
     JobFailed,
     JobProgress,
     JobResult,
@@ -33,9 +37,11 @@ from potocolom.protocol.worker import (
 )
 from potocolom.transport import relay
 from potocolom.transport.relay import RelayConsumer
+from potocolom.web.errors import close_code_of
 from realtime import services as sessions
 from scheduling import services as jobs
 from workers import lifecycle, services
+from workers.errors import WorkerIdTaken
 from workers.liveness import worker_is_dead
 
 log = logging.getLogger(__name__)
@@ -44,6 +50,17 @@ log = logging.getLogger(__name__)
 def query_token(scope: dict[str, Any]) -> str | None:
     values = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("token")
     return values[0] if values else None
+
+
+def presented_token(scope: dict[str, Any]) -> str | None:
+    """The worker token of the handshake: its `Authorization: Token T` header (which keeps the
+    token out of URLs and logs), else `?token=T`."""
+    for name, value in scope.get("headers", ()):
+        if name.lower() == b"authorization":
+            scheme, _, token = value.decode("latin-1").strip().partition(" ")
+            if scheme.lower() == "token" and token.strip():
+                return token.strip()
+    return query_token(scope)
 
 
 def shared_queue() -> bool:
@@ -57,11 +74,14 @@ class WorkerConsumer(RelayConsumer):
     credential: Any = None
     watchdog: asyncio.Task | None = None
     lost = False
+    protocol = PROTOCOL_V1  # its hello's
+    seen_written = 0.0  # when last_seen was last written to its row (time.monotonic())
 
     async def connect(self) -> None:
         """Accept, then close with 4001 unless the token is a worker credential."""
         await self.accept()
-        self.credential = await database_sync_to_async(services.worker_token_check)(token=query_token(self.scope))
+        self.credential = await database_sync_to_async(services.worker_token_check)(
+            token=presented_token(self.scope))
         if self.credential is None:
             await self.close(code=close_codes.NOT_AUTHENTICATED)
             return
@@ -70,7 +90,8 @@ class WorkerConsumer(RelayConsumer):
         self.watchdog = asyncio.create_task(self.watch())
 
     async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
-        """Parse a message and hand it to its handler; a bad message is logged, never fatal."""
+        """Parse a message and hand it to its handler; a bad message is logged, never fatal, and so
+        is a database or storage error (the socket stays; a v2 worker sends an unacked result again)."""
         if self.credential is None or self.lost:
             return
         self.last_seen = time.monotonic()
@@ -82,25 +103,59 @@ class WorkerConsumer(RelayConsumer):
                 raise MessageError("the first message must be hello")
             elif isinstance(message, FrameResult):
                 await self.on_frame_result(message)
+            elif isinstance(message, (JobResult, JobFailed)):
+                await self.on_final(message)
             elif not isinstance(message, Heartbeat):
                 await database_sync_to_async(self.handle)(message)
+            await self.heard()
         except (ValueError, MessageError) as exc:
             log.warning("worker %s: bad message: %s", self.worker_id or "(no hello)", exc)
+        except Exception:
+            log.exception("worker %s: a message could not be handled", self.worker_id or "(no hello)")
+
+    async def heard(self) -> None:
+        """Its row's last_seen moves with its messages, written at most once a heartbeat period."""
+        if self.worker_id is None or self.lost:
+            return
+        if self.last_seen - self.seen_written >= settings.WORKER_HEARTBEAT_SECONDS:
+            self.seen_written = self.last_seen
+            await database_sync_to_async(services.worker_seen)(worker_id=self.worker_id, now=timezone.now())
 
     async def on_hello(self, hello: Hello) -> None:
+        """Record the hello, welcome (in the protocol both speak), then give the worker its jobs. A
+        worker_id bound to another token closes this socket with 4003; its live connection stays."""
         if self.worker_id is not None and hello.worker_id != self.worker_id:
             raise MessageError("a connection cannot change its worker_id")
-        arrival = await database_sync_to_async(lifecycle.worker_arrives)(
-            hello=hello, token=self.credential, channel_name=self.channel_name, now=timezone.now())
-        self.worker_id = hello.worker_id
+        try:
+            arrival = await database_sync_to_async(lifecycle.worker_arrives)(
+                hello=hello, token=self.credential, channel_name=self.channel_name, now=timezone.now())
+        except WorkerIdTaken as exc:
+            log.warning("worker %s: refused: %s", hello.worker_id, exc)
+            self.credential = None  # nothing more from this socket is read
+            await self.close(code=close_code_of(exc))
+            return
+        self.worker_id, self.protocol, self.seen_written = hello.worker_id, hello.protocol, time.monotonic()
         await self.send(text_data=json.dumps(Welcome(arrival.unknown, settings.WORKER_HEARTBEAT_SECONDS,
-                                                     settings.FRAME_BUDGET_MS).to_wire()))
+                                                     settings.FRAME_BUDGET_MS, protocol=hello.protocol).to_wire()))
         if shared_queue():
             await relay.group_membership(self.channel_layer, jobs.WORKERS_GROUP, self.channel_name)
         replaced = await database_sync_to_async(lifecycle.worker_connected)(
-            worker_id=hello.worker_id, channel_name=self.channel_name, arrival=arrival, now=timezone.now())
+            hello=hello, channel_name=self.channel_name, arrival=arrival, now=timezone.now())
         if replaced:
             await relay.send(replaced, {"type": "worker.replaced"})
+
+    async def on_final(self, message: JobResult | JobFailed) -> None:
+        """Store a job's result or failure; a v2 worker gets job_ack once it is stored (also when it
+        changed nothing: a duplicate, or a job it no longer holds). A storage or database error is
+        logged and not acked: the worker sends it again."""
+        try:
+            await database_sync_to_async(self.handle)(message)
+        except Exception:
+            log.exception("worker %s: could not store the %s of job %s; not acknowledged", self.worker_id,
+                          message.type, message.job_id)
+            return
+        if self.protocol >= PROTOCOL_V2:
+            await self.send(text_data=json.dumps(JobAck(message.job_id).to_wire()))
 
     def handle(self, message: WorkerMessage) -> None:
         """A job or session message: the service it concerns (on the database thread)."""
@@ -133,15 +188,21 @@ class WorkerConsumer(RelayConsumer):
                                        "image": result.image, "gpu_ms": result.gpu_ms})
 
     async def watch(self) -> None:
-        """Every heartbeat period: a worker silent for 3 periods is dead; workers that held jobs
-        before this API process started and did not come back lose them."""
+        """Every heartbeat period: a revoked token closes the socket (4001), and a worker silent for
+        3 periods is dead (4008). (Workers of other processes: workers.sweeper.)"""
         period = settings.WORKER_HEARTBEAT_SECONDS
         while not self.lost:
             await asyncio.sleep(period)
+            if self.credential is None:
+                return
             alive = not worker_is_dead(last_seen=self.last_seen, now=time.monotonic(), heartbeat_seconds=period)
             try:
-                await database_sync_to_async(lifecycle.worker_beats)(
-                    worker_id=self.worker_id, alive=alive, shared=shared_queue(), now=timezone.now())
+                if not await database_sync_to_async(services.worker_token_holds)(token_id=self.credential.pk):
+                    log.warning("worker %s: its token %s was revoked", self.worker_id or "(no hello)",
+                                self.credential.name)
+                    await self.lose()
+                    await self.close(code=close_codes.NOT_AUTHENTICATED)
+                    return
                 if shared_queue() and alive and self.worker_id is not None:
                     # Groups expire, and a restarted Redis has none: join again every period.
                     await relay.group_membership(self.channel_layer, jobs.WORKERS_GROUP, self.channel_name)

@@ -1,15 +1,16 @@
-"""A worker's life as the API sees it: hello, heartbeat, demotion, death. The one place that fans out
-to both scheduling (held jobs, dispatch) and realtime (slots, admission); the worker consumer only
-translates. Also what operators see of both at once (`queues_snapshot`)."""
+"""A worker's life as the API sees it: hello, demotion, death, and the per-process dead-worker sweep.
+The one place that fans out to both scheduling (held jobs, dispatch) and realtime (slots,
+admission); the worker consumer only translates. Also what operators see of both (`queues_snapshot`)."""
 from __future__ import annotations
 
 from datetime import datetime
 from typing import Any
 
 from channels.db import database_sync_to_async
+from django.conf import settings
 from django.utils import timezone
 
-from potocolom.protocol.worker import Hello, ModelEntry
+from potocolom.protocol.worker import PROTOCOL_V2, Hello, ModelEntry
 from realtime import selectors as session_reads
 from realtime import services as sessions
 from scheduling import selectors as job_reads
@@ -25,23 +26,27 @@ def worker_arrives(*, hello: Hello, token: WorkerToken, channel_name: str, now: 
                                  channel_name=channel_name, now=now)
 
 
-def worker_connected(*, worker_id: str, channel_name: str, arrival: HelloRecord, now: datetime) -> str | None:
-    """After the welcome: the worker keeps the jobs it held and gets work, and its realtime slots
-    join admission. The channel of an older connection it replaced (to be closed), if any."""
+def worker_connected(*, hello: Hello, channel_name: str, arrival: HelloRecord, now: datetime) -> str | None:
+    """After the welcome: the worker keeps the jobs it held (a v2 worker: those its hello lists) and
+    gets work, and its realtime slots join admission. The channel of an older connection it
+    replaced (to be closed), if any."""
+    worker_id = hello.worker_id
     replaced = jobs.worker_jobs_connect(worker_id=worker_id, channel_name=channel_name,
-                                        models=[m.model_id for m in arrival.served], now=now)
+                                        models=[m.model_id for m in arrival.served], now=now,
+                                        protocol=hello.protocol,
+                                        listed=hello.jobs if hello.protocol >= PROTOCOL_V2 else None)
     sessions.worker_slots_set(worker_id=worker_id, channel_name=channel_name, models=arrival.served,
                               previous_channel=arrival.previous_channel, now=now)
     return replaced
 
 
-def worker_beats(*, worker_id: str | None, alive: bool, shared: bool, now: datetime) -> None:
-    """Every heartbeat period of a connection: with a shared queue, a live worker is seen (other
-    processes read that); workers that held jobs before this process started and did not come
-    back lose them."""
-    if shared and alive and worker_id is not None:
-        services.worker_seen(worker_id=worker_id, now=now)
+def dead_workers_sweep(*, now: datetime) -> None:
+    """Every heartbeat period of each API process (workers.sweeper), whatever is connected to it:
+    workers that held jobs before this process started and did not come back lose them, and so
+    (with a shared queue) do workers no process has heard for the dead-worker window; their rows
+    stop reading as connected."""
     jobs.orphans_sweep(now=now)
+    services.workers_silent_forget(seconds=4 * settings.WORKER_HEARTBEAT_SECONDS, now=now)
 
 
 def worker_lost(*, worker_id: str, channel_name: str, now: datetime) -> None:

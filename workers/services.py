@@ -1,7 +1,9 @@
-"""Writes about workers, the only ones of Worker rows: credentials, and what each hello, heartbeat,
-rung change and lost socket says of a worker."""
+"""Writes about workers, the only ones of Worker rows: credentials (and revoking them), and what each
+hello, heartbeat, rung change and lost socket says of a worker. A worker_id is bound to the token
+that first said hello with it (Worker.token) until that token is revoked."""
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -10,7 +12,9 @@ from django.db import transaction
 
 from models_registry.selectors import registered_ids
 from potocolom.protocol.worker import ModelEntry
+from workers.errors import WorkerIdTaken
 from workers.models import Worker, WorkerToken, hash_token
+from workers.selectors import silence_cutoff
 
 
 def worker_token_create(*, name: str) -> str:
@@ -28,6 +32,22 @@ def worker_token_check(*, token: str | None) -> WorkerToken | None:
     return WorkerToken.objects.filter(token_hash=hash_token(token), revoked=False).first()
 
 
+def worker_token_holds(*, token_id: int) -> bool:
+    """Whether a credential is still valid (each worker socket asks every heartbeat period)."""
+    return WorkerToken.objects.filter(pk=token_id, revoked=False).exists()
+
+
+def worker_tokens_revoke(*, token_ids: Iterable[int]) -> int:
+    """Revoke these credentials and end their bindings (their worker_ids may be claimed by another
+    token); how many were valid until now. Their open sockets close within a heartbeat period."""
+    with transaction.atomic():
+        revoked = list(WorkerToken.objects.select_for_update().filter(pk__in=list(token_ids), revoked=False)
+                       .values_list("pk", flat=True))
+        WorkerToken.objects.filter(pk__in=revoked).update(revoked=True)
+        Worker.objects.filter(token_id__in=revoked).update(token=None)
+    return len(revoked)
+
+
 @dataclass(frozen=True)
 class HelloRecord:
     """What a hello changed: the entries of registered models it serves, the ids the API does not
@@ -40,23 +60,39 @@ class HelloRecord:
 
 def worker_hello(*, worker_id: str, token: WorkerToken, gpu: Any, models: tuple[ModelEntry, ...], channel_name: str,
                  now: datetime) -> HelloRecord:
-    """Record a worker's hello on the socket at `channel_name`."""
+    """Record a worker's hello on the socket at `channel_name`. The worker_id belongs to the token
+    that first said hello with it (until that token is revoked): WorkerIdTaken for another token,
+    and nothing changes."""
     registered = registered_ids([m.model_id for m in models])
     served = [m for m in models if m.model_id in registered]
     unknown = [m.model_id for m in models if m.model_id not in registered]
+    fields = {"token": token, "connected": True, "gpu": gpu, "served_models": [m.to_wire() for m in served],
+              "unknown_models": unknown, "connected_at": now, "last_seen": now, "channel_name": channel_name}
     with transaction.atomic():
-        previous = Worker.objects.select_for_update().filter(worker_id=worker_id) \
-            .values_list("channel_name", flat=True).first()
-        Worker.objects.update_or_create(worker_id=worker_id, defaults={
-            "token": token, "connected": True, "gpu": gpu, "served_models": [m.to_wire() for m in served],
-            "unknown_models": unknown, "connected_at": now, "last_seen": now, "channel_name": channel_name})
-    return HelloRecord(served, unknown, previous or "")
+        # Locked (or created: a second token racing to create it finds it here, bound) before the check.
+        worker, created = Worker.objects.select_for_update().get_or_create(worker_id=worker_id, defaults=fields)
+        if created:
+            return HelloRecord(served, unknown, "")
+        if worker.token_id not in (None, token.pk) and worker_token_holds(token_id=worker.token_id):
+            raise WorkerIdTaken(f"worker_id {worker_id} belongs to another worker token")
+        previous = worker.channel_name
+        for name, value in fields.items():
+            setattr(worker, name, value)
+        worker.save(update_fields=list(fields))
+    return HelloRecord(served, unknown, previous)
 
 
 def worker_seen(*, worker_id: str, now: datetime) -> None:
-    """A worker connected here is alive (every heartbeat period): other processes read this to tell
-    a worker connected elsewhere from one that is gone."""
+    """A worker connected here is alive (its messages, at most once a heartbeat period): operators
+    see when, and other processes read this to tell a worker connected elsewhere from one that is gone."""
     Worker.objects.filter(worker_id=worker_id).update(connected=True, last_seen=now)
+
+
+def workers_silent_forget(*, seconds: float, now: datetime) -> int:
+    """Rows of workers no API process has heard for `seconds` (their process died, and they did not
+    come back) stop reading as connected; how many."""
+    return Worker.objects.filter(connected=True, last_seen__lt=silence_cutoff(seconds=seconds, now=now)).update(
+        connected=False)
 
 
 def worker_gone(*, worker_id: str, now: datetime) -> None:
