@@ -1,30 +1,108 @@
 """The job path's decisions, pure (no Django, no I/O): queue order, which worker gets which job,
-and what happens to a job whose worker died. Order: higher priority first, then submission order
-(`submitted_us`, then `job_id`); a job sent back keeps its key, so it regains its old place."""
+and what happens to a job whose worker died.
+
+Order is fair share (docs/protocol.md, "Fair share"). Each model's queue holds one line per account,
+ordered by the account's own `priority` (higher first), then submission (`submitted_us`, then
+`job_id`). Accounts take turns: the next job is the head of the line of the account whose turn key
+is smallest, the key being the time of its last dispatch from that queue, or, with none yet, the
+submission of its oldest queued job (ties: the account id). A dispatch moves the account's key to
+the dispatch time, behind every account in the queue, so the turns go round. A job sent back keeps
+its key, so it regains its place in its account's line; the account's key does not move."""
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, TypeVar
+
+T = TypeVar("T")
 
 
 class QueuedJob(NamedTuple):
-    """A queued job as the queue sees it (a tuple: 100,000 of them load in milliseconds)."""
+    """A queued job as the queue sees it (a tuple: 100,000 of them load in milliseconds).
+    `turn_us` is set only on a job just popped: the turn key its dispatch gave its account."""
 
     job_id: str
     model_id: str
     priority: int
     submitted_us: int
+    account: str = ""
+    turn_us: int | None = None
 
     @property
     def key(self) -> tuple[int, int, str]:
+        """Its place in its account's line."""
         return (-self.priority, self.submitted_us, self.job_id)
+
+
+class Turn(NamedTuple):
+    """When an account last had a job dispatched from a model's queue (kept by the database)."""
+
+    model_id: str
+    account: str
+    turn_us: int
+
+
+def turn_key(last_turn_us: int | None, oldest_submitted_us: int) -> int:
+    """An account's key in a model's rotation: its last dispatch from that queue, else the
+    submission of its oldest queued job."""
+    return oldest_submitted_us if last_turn_us is None else last_turn_us
+
+
+def next_turn_us(at_us: int | None, *, clock_us: int, highest_key: int | None) -> int:
+    """The key a dispatch gives its account: the dispatch time, kept strictly after every earlier
+    dispatch from the queue and every key in the rotation (so the account goes to the back even
+    when clocks of two processes disagree by a little, or no time was given)."""
+    floor = max(clock_us, highest_key if highest_key is not None else clock_us) + 1
+    return floor if at_us is None else max(at_us, floor)
+
+
+def place_in_turns(rank: int, account: str, lines: Iterable[tuple[str, int]]) -> int:
+    """The 1-based place of the `rank`-th (0-based) job of `account`'s line, given every line of
+    the queue as (account, length) in rotation order: the jobs of the turns before it (`rank` full
+    rounds) plus, in its own round, those of the accounts ahead of it that still have one."""
+    place, ahead = 1, True
+    for other, length in lines:
+        if other == account:
+            ahead = False
+        place += min(length, rank + 1 if ahead else rank)
+    return place
+
+
+def merge_turns(lines: Iterable[Sequence[T]]) -> list[T]:
+    """Lines in rotation order, merged into dispatch order: one from each line per round."""
+    iterators: list[Iterator[T]] = [iter(line) for line in lines]
+    merged: list[T] = []
+    while iterators:
+        alive = []
+        for iterator in iterators:
+            item = next(iterator, None)
+            if item is not None:
+                merged.append(item)
+                alive.append(iterator)
+        iterators = alive
+    return merged
+
+
+class Candidate(NamedTuple):
+    """The head of one model's rotation, as pop_for compares them across a worker's models."""
+
+    turn: int
+    account: str
+    job_key: tuple[int, int, str]
+    model_id: str
+
+
+def best_candidate(candidates: Iterable[Candidate]) -> Candidate | None:
+    """Across a worker's models, the head whose account's turn is oldest goes first (ties: account
+    id, then the job's own order). Each model's rotation is its own, so no account can use an old
+    turn on one model to take jobs of another."""
+    return min(candidates, key=lambda c: (c.turn, c.account, c.job_key), default=None)
 
 
 class Heads(Protocol):
     """What the dispatch decision reads of the queues (any JobQueues)."""
 
-    def pop_for(self, model_ids: Iterable[str]) -> QueuedJob | None: ...
+    def pop_for(self, model_ids: Iterable[str], *, at_us: int | None = None) -> QueuedJob | None: ...
 
 
 @dataclass(frozen=True)
@@ -43,12 +121,13 @@ class Assignment:
     worker_id: str
 
 
-def plan_dispatch(queues: Heads, workers: Sequence[WorkerCapacity], *, depth: int) -> list[Assignment]:
+def plan_dispatch(queues: Heads, workers: Sequence[WorkerCapacity], *, depth: int,
+                  at_us: int | None = None) -> list[Assignment]:
     """Take jobs off the queues for workers with room, and say which worker gets each.
 
     A worker never holds more than `depth` unfinished jobs. Each job goes to the least-loaded
     worker that serves its model (earliest joined on a tie); among the jobs a worker can take it
-    gets the best by priority, then submission order.
+    gets the next in fair-share order. `at_us`: the dispatch time, each later pop one microsecond on.
     """
     held = {w.worker_id: w.held for w in workers}
     assignments: list[Assignment] = []
@@ -56,7 +135,7 @@ def plan_dispatch(queues: Heads, workers: Sequence[WorkerCapacity], *, depth: in
         candidates = sorted((w for w in workers if held[w.worker_id] < depth),
                             key=lambda w: (held[w.worker_id], w.joined))
         for worker in candidates:
-            job = queues.pop_for(worker.models)
+            job = queues.pop_for(worker.models, at_us=None if at_us is None else at_us + len(assignments))
             if job is not None:
                 held[worker.worker_id] += 1
                 assignments.append(Assignment(job, worker.worker_id))

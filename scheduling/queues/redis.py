@@ -10,16 +10,19 @@ from typing import Any
 
 import redis
 
-from scheduling.policy import QueuedJob
+from scheduling.policy import QueuedJob, Turn, merge_turns, turn_key
 
 PRIORITY_MAX = 9
-SUBMITTED_US_LIMIT = 10**17  # 17 digits in the member; microseconds since the epoch are ~2e15
+TURN_US_LIMIT = 2**53  # turns are sorted-set scores (doubles): exact below this (the year 2255)
+SUBMITTED_US_LIMIT = 2**52  # (the year 2112) a submission can be a turn key, and turns go past it; 17 digits
 REBUILD_CHUNK_JOBS = 10_000  # per loading script: bounded commands, and Redis blocked ~10 ms at a time
 REBUILD_LOCK_MS = 15_000  # a crashed rebuild blocks the queue at most this long (100k jobs take < 1 s)
 REBUILD_WAIT_SECONDS = 20.0  # how long a process waits for another's rebuild: past the lock's expiry
 REBUILD_POLL_SECONDS = 0.02
 STAGING_TTL_MS = 10 * 60_000  # staging keys of a rebuild that died before its swap go away
 JOB_ID_MAX_BYTES = 1_000  # a rebuild frames members with a 4-digit byte length
+ACCOUNT_MAX_BYTES = 200
+MODEL_ID_MAX_BYTES = 1_000
 MEMBER_HEAD = 20  # "p:" + 17 digits + ":" before the job id
 
 
@@ -42,31 +45,49 @@ def redis_client_from_url(url: str, **options: Any) -> redis.Redis:
     return redis.Redis.from_url(url, **options)
 
 
+def framed(text: str) -> str:
+    """`text` after its byte length in 4 digits: prefix-free, so an account's members sort together."""
+    return f"{len(text.encode()):04d}{text}"
+
+
 def member_of(job: QueuedJob) -> str:
-    """The job's sorted-set member: its dispatch order as a string."""
+    """The job's place in its account's line as a string (the order of its bytes is the line's)."""
     if not 0 <= job.priority <= PRIORITY_MAX:
         raise ValueError(f"priority {job.priority} is outside 0..{PRIORITY_MAX}")
     if not 0 <= job.submitted_us < SUBMITTED_US_LIMIT:
         raise ValueError(f"submitted_us {job.submitted_us} is outside 0..{SUBMITTED_US_LIMIT - 1}")
     if len(job.job_id.encode()) > JOB_ID_MAX_BYTES:
         raise ValueError(f"job_id {job.job_id[:40]!r}... is longer than {JOB_ID_MAX_BYTES} bytes")
+    if len(job.account.encode()) > ACCOUNT_MAX_BYTES or len(job.model_id.encode()) > MODEL_ID_MAX_BYTES:
+        raise ValueError("account or model_id too long for the queue")
     return f"{PRIORITY_MAX - job.priority}:{job.submitted_us:017d}:{job.job_id}"
 
 
-def job_of(member: str, model_id: str) -> QueuedJob:
-    return QueuedJob(job_id=member[MEMBER_HEAD:], model_id=model_id,
-                     priority=PRIORITY_MAX - int(member[0]), submitted_us=int(member[2:19]))
+def job_of(member: str, model_id: str, account: str, turn: str | None = None) -> QueuedJob:
+    return QueuedJob(job_id=member[MEMBER_HEAD:], model_id=model_id, priority=PRIORITY_MAX - int(member[0]),
+                     submitted_us=int(member[2:19]), account=account, turn_us=int(turn) if turn else None)
+
+
+def split_line_member(line_member: str) -> tuple[str, str]:
+    """(account, member) of a member of a model's lines (framed account, then the member)."""
+    size = int(line_member[:4])
+    head = line_member[4:].encode()
+    return head[:size].decode(), head[size:].decode()
 
 
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-# KEYS[1] marker, KEYS[2] jobs, KEYS[3] counts; ARGV[1] the queue key prefix ("{prefix}:q:").
-# Lua compares strings with strcoll, which follows the server's locale: `before` compares bytes, as
-# sorted sets do.
+# KEYS[1] marker, KEYS[2] jobs, KEYS[3] counts, KEYS[4] last turns, KEYS[5] clocks; ARGV[1] the key
+# prefix ("{prefix}:"). Per model: q: lines (every account's jobs, members framed account + member,
+# so one account's members sort together), o: the same jobs by submission (oldest first), t: the
+# rotation (accounts with jobs, scored by their turn key). Lua compares strings with strcoll, which
+# follows the server's locale: `before` compares bytes, as sorted sets do. Numbers above 2^31 go
+# to Redis as strings ('%.0f'), never through Lua's default number format (14 digits).
 _PRELUDE = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return redis.error_reply('QUEUE_LOST') end
+local base = ARGV[1]
 local function before(a, b)
   local n = math.min(#a, #b)
   for i = 1, n do
@@ -75,112 +96,193 @@ local function before(a, b)
   end
   return #a < #b
 end
-local function take(model, member, job_id)
-  redis.call('ZREM', ARGV[1] .. model, member)
-  redis.call('HDEL', KEYS[2], job_id)
-  if redis.call('HINCRBY', KEYS[3], model, -1) <= 0 then redis.call('HDEL', KEYS[3], model) end
-end
-local function head_of(first)  -- the best head among the models ARGV[first..]: member, model
-  local best, best_model = nil, nil
-  for i = first, #ARGV do
-    local head = redis.call('ZRANGE', ARGV[1] .. ARGV[i], 0, 0)[1]
-    if head and (best == nil or before(head, best)) then best, best_model = head, ARGV[i] end
-  end
-  return best, best_model
-end
-local function entry_of(job_id)  -- member, model of a queued job; nil when not queued
+local function frame(s) return string.format('%04d', #s) .. s end
+local function bounds(account) local p = frame(account) return '[' .. p, '(' .. p .. ';' end
+local function entry_of(job_id)  -- model, line member, account, member of a queued job; nil when not queued
   local value = redis.call('HGET', KEYS[2], job_id)
   if not value then return nil end
-  local cut = 20 + #job_id
-  return string.sub(value, 1, cut), string.sub(value, cut + 1)
+  local n = tonumber(string.sub(value, 1, 4))
+  local model, line = string.sub(value, 5, 4 + n), string.sub(value, 5 + n)
+  local a = tonumber(string.sub(line, 1, 4))
+  return model, line, string.sub(line, 5, 4 + a), string.sub(line, 5 + a)
+end
+local function rekey(model, account)  -- the account's place in the model's rotation, or out of it
+  local lo, hi = bounds(account)
+  local rotation = base .. 't:' .. model
+  if redis.call('ZLEXCOUNT', base .. 'q:' .. model, lo, hi) == 0 then
+    redis.call('ZREM', rotation, account)
+    return
+  end
+  local key = redis.call('HGET', KEYS[4], frame(account) .. model)
+  if not key then
+    local oldest = redis.call('ZRANGEBYLEX', base .. 'o:' .. model, lo, hi, 'LIMIT', 0, 1)[1]
+    key = string.sub(oldest, #frame(account) + 1, #frame(account) + 17)
+  end
+  redis.call('ZADD', rotation, key, account)
+end
+local function take(model, line, account, member)
+  local p = frame(account)
+  redis.call('ZREM', base .. 'q:' .. model, line)
+  redis.call('ZREM', base .. 'o:' .. model, p .. string.sub(member, 3, 19) .. ':' .. string.sub(member, 21))
+  redis.call('HDEL', KEYS[2], string.sub(member, 21))
+  if redis.call('HINCRBY', KEYS[3], model, -1) <= 0 then redis.call('HDEL', KEYS[3], model) end
 end
 """
 
-# ARGV[2] job_id, ARGV[3] model_id, ARGV[4] member
+# ARGV[2] job_id, ARGV[3] model_id, ARGV[4] account, ARGV[5] member
 _PUSH = _PRELUDE + """
-if redis.call('HSETNX', KEYS[2], ARGV[2], ARGV[4] .. ARGV[3]) == 0 then return 0 end
-redis.call('ZADD', ARGV[1] .. ARGV[3], 0, ARGV[4])
+local p = frame(ARGV[4])
+local line = p .. ARGV[5]
+if redis.call('HSETNX', KEYS[2], ARGV[2], frame(ARGV[3]) .. line) == 0 then return 0 end
+redis.call('ZADD', base .. 'q:' .. ARGV[3], 0, line)
+redis.call('ZADD', base .. 'o:' .. ARGV[3], 0, p .. string.sub(ARGV[5], 3, 19) .. ':' .. ARGV[2])
 redis.call('HINCRBY', KEYS[3], ARGV[3], 1)
+rekey(ARGV[3], ARGV[4])
 return 1
 """
 
-# ARGV[2] job_id -> {member, model} or nil
+# ARGV[2] job_id -> {member, model, account} or nil
 _REMOVE = _PRELUDE + """
-local member, model = entry_of(ARGV[2])
-if not member then return nil end
-take(model, member, ARGV[2])
-return {member, model}
+local model, line, account, member = entry_of(ARGV[2])
+if not model then return nil end
+take(model, line, account, member)
+rekey(model, account)
+return {member, model, account}
 """
 
-# ARGV[2] 1 to take the job, 0 to leave it; ARGV[3..] model ids -> {member, model} or nil
+# ARGV[2] 1 to take the job, 0 to leave it; ARGV[3] the dispatch time in us, or ''; ARGV[4..] model
+# ids -> {member, model, account, turn given ('' when left in place)} or nil
 _HEAD = _PRELUDE + """
-local member, model = head_of(3)
-if not member then return nil end
-if ARGV[2] == '1' then take(model, member, string.sub(member, 21)) end
-return {member, model}
+local best = nil  -- turn, account, member, model, line
+for i = 4, #ARGV do
+  local model = ARGV[i]
+  local head = redis.call('ZRANGE', base .. 't:' .. model, 0, 0, 'WITHSCORES')
+  if head[1] then
+    local account, turn = head[1], tonumber(head[2])
+    local lo, hi = bounds(account)
+    local line = redis.call('ZRANGEBYLEX', base .. 'q:' .. model, lo, hi, 'LIMIT', 0, 1)[1]
+    local member = string.sub(line, #frame(account) + 1)
+    if best == nil or turn < best[1] or (turn == best[1] and (before(account, best[2])
+        or (account == best[2] and before(member, best[3])))) then
+      best = {turn, account, member, model, line}
+    end
+  end
+end
+if not best then return nil end
+local account, member, model = best[2], best[3], best[4]
+local given = ''
+if ARGV[2] == '1' then
+  local floor = tonumber(redis.call('HGET', KEYS[5], model) or '0')
+  local top = redis.call('ZRANGE', base .. 't:' .. model, -1, -1, 'WITHSCORES')[2]
+  if tonumber(top) > floor then floor = tonumber(top) end
+  local turn = floor + 1
+  if ARGV[3] ~= '' and tonumber(ARGV[3]) > turn then turn = tonumber(ARGV[3]) end
+  given = string.format('%.0f', turn)
+  take(model, best[5], account, member)
+  redis.call('HSET', KEYS[5], model, given)
+  redis.call('HSET', KEYS[4], frame(account) .. model, given)
+  rekey(model, account)
+end
+return {member, model, account, given}
 """
 
-# ARGV[2] job_id -> 1-based position or nil
+# ARGV[2] job_id -> 1-based position or nil (policy.place_in_turns)
 _POSITION = _PRELUDE + """
-local member, model = entry_of(ARGV[2])
-if not member then return nil end
-return redis.call('ZRANK', ARGV[1] .. model, member) + 1
+local model, line, account = entry_of(ARGV[2])
+if not model then return nil end
+local lines = base .. 'q:' .. model
+local lo = bounds(account)
+local rank = redis.call('ZLEXCOUNT', lines, lo, '(' .. line)
+local place, ahead = 1, true
+for _, other in ipairs(redis.call('ZRANGE', base .. 't:' .. model, 0, -1)) do
+  if other == account then ahead = false end
+  local olo, ohi = bounds(other)
+  local length = redis.call('ZLEXCOUNT', lines, olo, ohi)
+  local cap = rank
+  if ahead then cap = rank + 1 end
+  place = place + math.min(length, cap)
+end
+return place
 """
 
-# ARGV[2] model_id -> members in dispatch order
-_QUEUED = _PRELUDE + "return redis.call('ZRANGE', ARGV[1] .. ARGV[2], 0, -1)\n"
+# ARGV[2] model_id -> {accounts in rotation order, line members in order}
+_QUEUED = _PRELUDE + """
+return {redis.call('ZRANGE', base .. 't:' .. ARGV[2], 0, -1), redis.call('ZRANGE', base .. 'q:' .. ARGV[2], 0, -1)}
+"""
 _COUNTS = _PRELUDE + "return redis.call('HGETALL', KEYS[3])\n"
+_TURNS = _PRELUDE + "return redis.call('HGETALL', KEYS[4])\n"
 _LENGTH = _PRELUDE + "return redis.call('HLEN', KEYS[2])\n"
 _CONTAINS = _PRELUDE + "return redis.call('HEXISTS', KEYS[2], ARGV[2])\n"
 
-# KEYS[1] lock, KEYS[2] marker, KEYS[3] jobs, KEYS[4] counts, KEYS[5] staged jobs, KEYS[6] staged counts;
-# ARGV[1] token, ARGV[2] queue key prefix, ARGV[3] staged queue key prefix, ARGV[4..] staged models.
-# Installs a rebuild's staged keys in one step, only while its lock is still held.
+# KEYS[1] lock, KEYS[2] marker, KEYS[3..6] jobs, counts, last turns, clocks; KEYS[7..10] their
+# staged copies; ARGV[1] token, ARGV[2] key prefix, ARGV[3] staged key prefix, ARGV[4..] staged
+# models. Installs a rebuild's staged keys in one step, only while its lock is still held.
 _SWAP = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-for _, model in ipairs(redis.call('HKEYS', KEYS[4])) do redis.call('UNLINK', ARGV[2] .. model) end
-redis.call('UNLINK', KEYS[3], KEYS[4])  -- freed in the background: the old contents may be large
-for i = 4, #ARGV do
-  redis.call('RENAME', ARGV[3] .. ARGV[i], ARGV[2] .. ARGV[i])
-  redis.call('PERSIST', ARGV[2] .. ARGV[i])
+for _, model in ipairs(redis.call('HKEYS', KEYS[4])) do
+  for _, kind in ipairs({'q:', 'o:', 't:'}) do redis.call('UNLINK', ARGV[2] .. kind .. model) end
 end
-if redis.call('EXISTS', KEYS[5]) == 1 then
-  redis.call('RENAME', KEYS[5], KEYS[3])
-  redis.call('PERSIST', KEYS[3])
-  redis.call('RENAME', KEYS[6], KEYS[4])
-  redis.call('PERSIST', KEYS[4])
+redis.call('UNLINK', KEYS[3], KEYS[4], KEYS[5], KEYS[6])  -- freed in the background: the old contents may be large
+for i = 4, #ARGV do
+  for _, kind in ipairs({'q:', 'o:', 't:'}) do
+    redis.call('RENAME', ARGV[3] .. kind .. ARGV[i], ARGV[2] .. kind .. ARGV[i])
+    redis.call('PERSIST', ARGV[2] .. kind .. ARGV[i])
+  end
+end
+for i = 3, 6 do
+  if redis.call('EXISTS', KEYS[i + 4]) == 1 then
+    redis.call('RENAME', KEYS[i + 4], KEYS[i])
+    redis.call('PERSIST', KEYS[i])
+  end
 end
 redis.call('SET', KEYS[2], ARGV[1])
 return 1
 """
 
-# KEYS[1] staged queue of a model, KEYS[2] staged jobs, KEYS[3] staged counts; ARGV[1] model_id,
-# ARGV[2] members, each after its byte length in 4 digits, ARGV[3] staging TTL in ms.
+# KEYS[1..3] a model's staged lines, oldest, rotation; KEYS[4] staged jobs, KEYS[5] staged counts;
+# ARGV[1] model_id, ARGV[2] line members, each after its byte length in 4 digits, ARGV[3] staging
+# TTL in ms, ARGV[4..] the rotation as key, account pairs (first chunk only).
 _LOAD = """
 local blob, model, at = ARGV[2], ARGV[1], 1
-local scored, entries, loaded = {}, {}, 0
+local lines, oldest, entries, loaded = {}, {}, {}, 0
+local function frame(s) return string.format('%04d', #s) .. s end
 local function flush()
-  if #scored > 0 then
-    redis.call('ZADD', KEYS[1], unpack(scored))
-    redis.call('HSET', KEYS[2], unpack(entries))
-    scored, entries = {}, {}
+  if #lines > 0 then
+    redis.call('ZADD', KEYS[1], unpack(lines))
+    redis.call('ZADD', KEYS[2], unpack(oldest))
+    redis.call('HSET', KEYS[4], unpack(entries))
+    lines, oldest, entries = {}, {}, {}
   end
 end
 while at <= #blob do
   local size = tonumber(string.sub(blob, at, at + 3))
-  local member = string.sub(blob, at + 4, at + 3 + size)
+  local line = string.sub(blob, at + 4, at + 3 + size)
   at = at + 4 + size
-  scored[#scored + 1] = 0
-  scored[#scored + 1] = member
-  entries[#entries + 1] = string.sub(member, 21)
-  entries[#entries + 1] = member .. model
+  local a = tonumber(string.sub(line, 1, 4))
+  local member = string.sub(line, 5 + a)
+  local job_id = string.sub(member, 21)
+  lines[#lines + 1] = 0
+  lines[#lines + 1] = line
+  oldest[#oldest + 1] = 0
+  oldest[#oldest + 1] = string.sub(line, 1, 4 + a) .. string.sub(member, 3, 19) .. ':' .. job_id
+  entries[#entries + 1] = job_id
+  entries[#entries + 1] = frame(model) .. line
   loaded = loaded + 1
-  if #scored >= 2000 then flush() end  -- unpack's arguments stay far below Lua's stack limit
+  if #lines >= 2000 then flush() end  -- unpack's arguments stay far below Lua's stack limit
 end
 flush()
-redis.call('HINCRBY', KEYS[3], model, loaded)
-for i = 1, 3 do redis.call('PEXPIRE', KEYS[i], ARGV[3]) end
+for i = 4, #ARGV, 2 do redis.call('ZADD', KEYS[3], ARGV[i], ARGV[i + 1]) end
+redis.call('HINCRBY', KEYS[5], model, loaded)
+for i = 1, 5 do redis.call('PEXPIRE', KEYS[i], ARGV[3]) end
 return loaded
+"""
+
+# KEYS[1] staged last turns, KEYS[2] staged clocks; ARGV[1] TTL, ARGV[2..] field, turn, field, turn...
+# (a field of the last turns is framed account + model; of the clocks, the model)
+_LOAD_TURNS = """
+for i = 2, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+return 1
 """
 
 # KEYS[1] lock; ARGV[1] token
@@ -205,25 +307,31 @@ class RedisQueues:
         self.prefix = prefix
         self._clock, self._sleep = clock, sleep
         self._lock_ms, self._wait_seconds, self._poll_seconds = lock_ms, wait_seconds, poll_seconds
-        self._queue_prefix = f"{prefix}:q:"
+        self._base = f"{prefix}:"
         self._marker, self._jobs, self._counts = f"{prefix}:marker", f"{prefix}:jobs", f"{prefix}:counts"
+        self._last, self._clocks = f"{prefix}:turns", f"{prefix}:clocks"
         self._lock = f"{prefix}:lock"
         self._push, self._remove, self._head = (client.register_script(s) for s in (_PUSH, _REMOVE, _HEAD))
         self._position, self._queued = client.register_script(_POSITION), client.register_script(_QUEUED)
         self._counts_script, self._length = client.register_script(_COUNTS), client.register_script(_LENGTH)
         self._contains, self._swap = client.register_script(_CONTAINS), client.register_script(_SWAP)
         self._unlock, self._load = client.register_script(_UNLOCK), client.register_script(_LOAD)
+        self._turns, self._load_turns = client.register_script(_TURNS), client.register_script(_LOAD_TURNS)
 
     def _run(self, script: Any, *args: object) -> Any:
         try:
-            return script(keys=[self._marker, self._jobs, self._counts], args=[self._queue_prefix, *args])
+            return script(keys=[self._marker, self._jobs, self._counts, self._last, self._clocks],
+                          args=[self._base, *args])
         except redis.ResponseError as error:
             if str(error).startswith("QUEUE_LOST"):
                 raise QueueLost() from None
             raise
 
     def _job(self, reply: Sequence[bytes | str] | None) -> QueuedJob | None:
-        return job_of(_text(reply[0]), _text(reply[1])) if reply else None
+        if not reply:
+            return None
+        turn = _text(reply[3]) if len(reply) > 3 else None
+        return job_of(_text(reply[0]), _text(reply[1]), _text(reply[2]), turn)
 
     # the MemoryQueues interface
 
@@ -235,7 +343,7 @@ class RedisQueues:
 
     def push(self, job: QueuedJob) -> bool:
         """Add a job; False (and no change) when it is queued already."""
-        return self._run(self._push, job.job_id, job.model_id, member_of(job)) == 1
+        return self._run(self._push, job.job_id, job.model_id, job.account, member_of(job)) == 1
 
     def remove(self, job_id: str) -> QueuedJob | None:
         """Take a job out wherever it is; None when it is not queued."""
@@ -243,30 +351,47 @@ class RedisQueues:
 
     def peek_for(self, model_ids: Iterable[str]) -> QueuedJob | None:
         """The job that goes next to a worker serving these models, left in place."""
-        return self._job(self._run(self._head, "0", *model_ids))
+        return self._job(self._run(self._head, "0", "", *model_ids))
 
-    def pop_for(self, model_ids: Iterable[str]) -> QueuedJob | None:
-        """Take the job that goes next to a worker serving these models."""
-        return self._job(self._run(self._head, "1", *model_ids))
+    def pop_for(self, model_ids: Iterable[str], *, at_us: int | None = None) -> QueuedJob | None:
+        """Take the job that goes next to a worker serving these models; its account's turn moves to
+        `at_us` (or just after the latest turn). The job returned carries that turn."""
+        if at_us is not None and not 0 <= at_us < TURN_US_LIMIT:
+            raise ValueError(f"at_us {at_us} is outside 0..{TURN_US_LIMIT - 1}")
+        return self._job(self._run(self._head, "1", "" if at_us is None else str(at_us), *model_ids))
 
     def position(self, job_id: str) -> int | None:
-        """The 1-based place among queued jobs of its model; None when not queued."""
+        """The 1-based place among queued jobs of its model, in the order the turns give."""
         place = self._run(self._position, job_id)
         return None if place is None else int(place)
 
     def queued(self, model_id: str) -> list[QueuedJob]:
         """A model's queued jobs in dispatch order."""
-        return [job_of(_text(member), model_id) for member in self._run(self._queued, model_id)]
+        rotation, members = self._run(self._queued, model_id)
+        lines: dict[str, list[QueuedJob]] = {}
+        for line in members:
+            account, member = split_line_member(_text(line))
+            lines.setdefault(account, []).append(job_of(member, model_id, account))
+        return merge_turns(lines[_text(account)] for account in rotation)
 
     def counts(self) -> dict[str, int]:
         """Queued jobs per model (models with none left out)."""
         flat = self._run(self._counts_script)
         return {_text(flat[i]): int(flat[i + 1]) for i in range(0, len(flat), 2)}
 
-    def rebuild(self, jobs: Iterable[QueuedJob]) -> None:
-        """Replace the contents with `jobs` (the database's queued rows); while another process is
-        rebuilding, wait for its rows instead (see `rebuild_from`)."""
-        self.rebuild_from(lambda: jobs)
+    def turns(self) -> list[Turn]:
+        """Every account's last turn per model."""
+        flat = self._run(self._turns)
+        turns = []
+        for i in range(0, len(flat), 2):
+            account, model_id = split_line_member(_text(flat[i]))
+            turns.append(Turn(model_id, account, int(_text(flat[i + 1]))))
+        return sorted(turns)
+
+    def rebuild(self, jobs: Iterable[QueuedJob], turns: Iterable[Turn] = ()) -> None:
+        """Replace the contents with `jobs` (the database's queued rows) and `turns`; while another
+        process is rebuilding, wait for its rows instead (see `rebuild_from`)."""
+        self.rebuild_from(lambda: jobs, lambda: turns)
 
     # losing and rebuilding
 
@@ -274,19 +399,23 @@ class RedisQueues:
         """Whether the queue needs a rebuild (never built, or Redis lost it)."""
         return not self.client.exists(self._marker)
 
-    def recover(self, load: Callable[[], Iterable[QueuedJob]]) -> bool:
+    def recover(self, load: Callable[[], Iterable[QueuedJob]],
+                load_turns: Callable[[], Iterable[Turn]] | None = None) -> bool:
         """After `QueueLost`: rebuild from `load()` unless the queue is whole again (another process
         rebuilt it) or another process is rebuilding it (then wait for that). True when this call
         rebuilt. Retry the failed operation afterwards."""
-        return self._rebuild(load, only_if_lost=True)
+        return self._rebuild(load, load_turns, only_if_lost=True)
 
-    def rebuild_from(self, load: Callable[[], Iterable[QueuedJob]]) -> bool:
-        """Replace the contents with `load()` (which reads the database's queued rows once the queue
-        is closed to other processes), or wait for another process's rebuild in progress. True when
-        this call rebuilt. Raises `QueueRebuildTimedOut` after `wait_seconds` of waiting."""
-        return self._rebuild(load, only_if_lost=False)
+    def rebuild_from(self, load: Callable[[], Iterable[QueuedJob]],
+                     load_turns: Callable[[], Iterable[Turn]] | None = None) -> bool:
+        """Replace the contents with `load()` and `load_turns()` (which read the database's queued
+        rows and turns once the queue is closed to other processes), or wait for another process's
+        rebuild in progress. True when this call rebuilt. Raises `QueueRebuildTimedOut` after
+        `wait_seconds` of waiting."""
+        return self._rebuild(load, load_turns, only_if_lost=False)
 
-    def _rebuild(self, load: Callable[[], Iterable[QueuedJob]], *, only_if_lost: bool) -> bool:
+    def _rebuild(self, load: Callable[[], Iterable[QueuedJob]], load_turns: Callable[[], Iterable[Turn]] | None,
+                 *, only_if_lost: bool) -> bool:
         deadline = self._clock() + self._wait_seconds
         waited = False
         while True:
@@ -297,7 +426,7 @@ class RedisQueues:
                 try:
                     if only_if_lost and not self.is_lost():
                         return False
-                    if self._rebuild_locked(load, token):
+                    if self._rebuild_locked(load, load_turns or (lambda: ()), token):
                         return True
                 finally:
                     self._unlock(keys=[self._lock], args=[token])
@@ -306,28 +435,54 @@ class RedisQueues:
             waited = True
             self._sleep(self._poll_seconds)
 
-    def _rebuild_locked(self, load: Callable[[], Iterable[QueuedJob]], token: str) -> bool:
-        """Close the queue, read `load()`, stage it, swap it in; False when the lock expired meanwhile."""
+    def _rebuild_locked(self, load: Callable[[], Iterable[QueuedJob]], load_turns: Callable[[], Iterable[Turn]],
+                        token: str) -> bool:
+        """Close the queue, read `load()` and `load_turns()`, stage them, swap them in; False when the
+        lock expired meanwhile."""
         self.client.delete(self._marker)
         staging = f"{self.prefix}:build:{token}"
-        staged_queue_prefix, staged_jobs, staged_counts = f"{staging}:q:", f"{staging}:jobs", f"{staging}:counts"
+        staged_base = f"{staging}:"
+        staged = [f"{staging}:jobs", f"{staging}:counts", f"{staging}:turns", f"{staging}:clocks"]
         jobs: dict[str, QueuedJob] = {}
         for job in load():
             jobs[job.job_id] = job  # the last row of a job id wins, as in MemoryQueues.rebuild
+        last: dict[tuple[str, str], int] = {}
+        for turn in load_turns():
+            if not 0 <= turn.turn_us < TURN_US_LIMIT:
+                raise ValueError(f"turn_us {turn.turn_us} is outside 0..{TURN_US_LIMIT - 1}")
+            pair = (turn.model_id, turn.account)
+            last[pair] = max(last.get(pair, turn.turn_us), turn.turn_us)
         by_model: dict[str, list[bytes]] = {}
+        oldest: dict[tuple[str, str], int] = {}
         for job in jobs.values():
-            by_model.setdefault(job.model_id, []).append(member_of(job).encode())
-        staged_keys = [staged_jobs, staged_counts, *(staged_queue_prefix + model_id for model_id in by_model)]
+            by_model.setdefault(job.model_id, []).append((framed(job.account) + member_of(job)).encode())
+            pair = (job.model_id, job.account)
+            oldest[pair] = min(oldest.get(pair, job.submitted_us), job.submitted_us)
+        rotation: dict[str, list[str]] = {}
+        for (model_id, account), submitted in oldest.items():
+            rotation.setdefault(model_id, []).extend((str(turn_key(last.get((model_id, account)), submitted)), account))
+        clocks: dict[str, int] = {}
+        for (model_id, _), given in last.items():
+            clocks[model_id] = max(clocks.get(model_id, 0), given)
+        kinds = ("q:", "o:", "t:")
+        staged_keys = [*staged, *(staged_base + kind + model_id for model_id in by_model for kind in kinds)]
         try:
             for model_id, members in by_model.items():
+                model_keys = [staged_base + kind + model_id for kind in kinds]
                 for start in range(0, len(members), REBUILD_CHUNK_JOBS):
                     # one framed string per chunk: redis-py packs 200,000 separate arguments 4x slower
                     blob = b"".join(b"%04d%s" % (len(member), member)
                                     for member in members[start:start + REBUILD_CHUNK_JOBS])
-                    self._load(keys=[staged_queue_prefix + model_id, staged_jobs, staged_counts],
-                               args=[model_id, blob, STAGING_TTL_MS])
-            return self._swap(keys=[self._lock, self._marker, self._jobs, self._counts, staged_jobs, staged_counts],
-                              args=[token, self._queue_prefix, staged_queue_prefix, *by_model]) == 1
+                    self._load(keys=[*model_keys, staged[0], staged[1]],
+                               args=[model_id, blob, STAGING_TTL_MS, *(rotation[model_id] if start == 0 else [])])
+            pairs = [item for (model_id, account), turn in last.items() for item in (framed(account) + model_id, turn)]
+            for start in range(0, len(pairs), 2 * REBUILD_CHUNK_JOBS):
+                self._load_turns(keys=[staged[2]], args=[STAGING_TTL_MS, *pairs[start:start + 2 * REBUILD_CHUNK_JOBS]])
+            if clocks:
+                self._load_turns(keys=[staged[3]], args=[STAGING_TTL_MS, *(i for kv in clocks.items() for i in kv)])
+            return self._swap(keys=[self._lock, self._marker, self._jobs, self._counts, self._last, self._clocks,
+                                    *staged],
+                              args=[token, self._base, staged_base, *by_model]) == 1
         finally:
             self.client.delete(*staged_keys)  # left only when the swap did not happen
 
@@ -348,15 +503,17 @@ class RecoveringQueues:
 
     shared = True  # every API process on the database takes jobs from it
 
-    def __init__(self, queues: RedisQueues, load: Callable[[], Iterable[QueuedJob]]) -> None:
+    def __init__(self, queues: RedisQueues, load: Callable[[], Iterable[QueuedJob]],
+                 load_turns: Callable[[], Iterable[Turn]] | None = None) -> None:
         self.redis = queues
         self.load = load
+        self.load_turns = load_turns
 
     def _retry(self, call: Callable[[], Any]) -> Any:
         try:
             return call()
         except QueueLost:
-            self.redis.recover(self.load)
+            self.redis.recover(self.load, self.load_turns)
             return call()
 
     def __len__(self) -> int:
@@ -365,14 +522,16 @@ class RecoveringQueues:
     def __contains__(self, job_id: object) -> bool:
         return bool(self._retry(lambda: job_id in self.redis))
 
-    def rebuild(self, jobs: Iterable[QueuedJob]) -> None:
-        self.redis.rebuild(jobs)
+    def rebuild(self, jobs: Iterable[QueuedJob], turns: Iterable[Turn] = ()) -> None:
+        self.redis.rebuild(jobs, turns)
 
-    def rebuild_from(self, load: Callable[[], Iterable[QueuedJob]]) -> None:
-        """Rebuild from `load()` (the database's queued rows; an API process starting), unless another
-        process is rebuilding it; `load` is kept to rebuild again whenever Redis loses the queue."""
-        self.load = load
-        self.redis.rebuild_from(load)
+    def rebuild_from(self, load: Callable[[], Iterable[QueuedJob]],
+                     load_turns: Callable[[], Iterable[Turn]] | None = None) -> None:
+        """Rebuild from `load()` and `load_turns()` (the database's queued rows and turns; an API
+        process starting), unless another process is rebuilding it; both are kept to rebuild again
+        whenever Redis loses the queue."""
+        self.load, self.load_turns = load, load_turns
+        self.redis.rebuild_from(load, load_turns)
 
     def push(self, job: QueuedJob) -> bool:
         return bool(self._retry(lambda: self.redis.push(job)))
@@ -384,9 +543,9 @@ class RecoveringQueues:
         models = list(model_ids)
         return self._retry(lambda: self.redis.peek_for(models))  # type: ignore[no-any-return]
 
-    def pop_for(self, model_ids: Iterable[str]) -> QueuedJob | None:
+    def pop_for(self, model_ids: Iterable[str], *, at_us: int | None = None) -> QueuedJob | None:
         models = list(model_ids)
-        return self._retry(lambda: self.redis.pop_for(models))  # type: ignore[no-any-return]
+        return self._retry(lambda: self.redis.pop_for(models, at_us=at_us))  # type: ignore[no-any-return]
 
     def position(self, job_id: str) -> int | None:
         return self._retry(lambda: self.redis.position(job_id))  # type: ignore[no-any-return]
@@ -396,3 +555,6 @@ class RecoveringQueues:
 
     def counts(self) -> dict[str, int]:
         return self._retry(self.redis.counts)  # type: ignore[no-any-return]
+
+    def turns(self) -> list[Turn]:
+        return self._retry(self.redis.turns)  # type: ignore[no-any-return]

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule
 
-from scheduling.policy import QueuedJob, WorkerCapacity, plan_dispatch, retry_decision
+from scheduling.policy import QueuedJob, Turn, WorkerCapacity, plan_dispatch, retry_decision
 from scheduling.queues.memory import MemoryQueues
 
 
@@ -61,12 +61,14 @@ def test_it_keeps_each_model_in_its_own_queue():
     assert queues.queued("nobody") == []
 
 
-def test_it_pops_the_best_job_across_the_models_a_worker_serves():
+def test_it_pops_the_oldest_turn_across_the_models_a_worker_serves():
     queues = queues_of(job("a1", model="a", at=1), job("b-urgent", model="b", priority=3, at=2),
                        job("c1", model="c", at=0))
 
-    assert queues.pop_for(["a", "b"]).job_id == "b-urgent"
+    # each model's queue has its own turns: a's (its oldest job, t=1) comes before b's (t=2);
+    # priority orders an account's jobs within one model's queue
     assert queues.pop_for(["a", "b"]).job_id == "a1"
+    assert queues.pop_for(["a", "b"]).job_id == "b-urgent"
     assert queues.pop_for(["a", "b"]) is None
     assert queues.pop_for([]) is None
     assert ids(queues.queued("c")) == ["c1"]
@@ -119,14 +121,151 @@ def test_it_rebuilds_to_the_same_order_whatever_the_rows_order():
     assert {j.job_id: rebuilt.position(j.job_id) for j in jobs} == {j.job_id: pushed.position(j.job_id) for j in jobs}
 
 
+# --- MemoryQueues: fair share between accounts (the contract's example) -----------------------
+# Each case fills the queue it is given: tests/scheduling/queues/test_redis.py runs them on Redis too.
+
+def contract_example(queues):
+    """alice submits a1..a6, then bob b1, b2, all priority 0, one model, no worker."""
+    for n in range(1, 7):
+        queues.push(QueuedJob(f"a{n}", "m", 0, n, "alice"))
+    for n in range(1, 3):
+        queues.push(QueuedJob(f"b{n}", "m", 0, 6 + n, "bob"))
+    return queues
+
+
+def accounts_take_turns_whatever_came_first(queues):
+    contract_example(queues)
+    expected = ["a1", "b1", "a2", "b2", "a3", "a4", "a5", "a6"]
+
+    assert [queues.position(job_id) for job_id in expected] == list(range(1, 9))
+    assert ids(queues.queued("m")) == expected
+    assert ids(queues.pop_for(["m"], at_us=100 + n) for n in range(8)) == expected
+
+
+def a_high_priority_job_takes_its_own_accounts_turn_and_never_moves_another_back(queues):
+    contract_example(queues)
+    queues.push(QueuedJob("a7", "m", 9, 9, "alice"))
+
+    assert ids(queues.queued("m"))[:5] == ["a7", "b1", "a1", "b2", "a2"]
+    assert queues.position("b1") == 2 and queues.position("b2") == 4
+
+
+def an_account_arriving_later_joins_the_round_after_those_served_before_it(queues):
+    contract_example(queues)
+    assert ids([queues.pop_for(["m"], at_us=100), queues.pop_for(["m"], at_us=101)]) == ["a1", "b1"]
+    queues.push(QueuedJob("c1", "m", 0, 102, "carol"))
+
+    assert queues.position("c1") == 3
+    assert ids(queues.pop_for(["m"], at_us=200 + n) for n in range(7)) == ["a2", "b2", "c1", "a3", "a4", "a5", "a6"]
+
+
+def a_job_sent_back_keeps_its_place_in_its_line_and_the_account_its_turn(queues):
+    contract_example(queues)
+    a1 = queues.pop_for(["m"], at_us=100)
+    assert a1.turn_us == 100
+    queues.push(a1)  # its worker died
+
+    assert ids(queues.queued("m"))[:4] == ["b1", "a1", "b2", "a2"]  # alice's turn stayed at 100
+    assert queues.turns() == [Turn("m", "alice", 100)]
+
+
+def the_turns_survive_a_rebuild_from_the_database_rows(queues):
+    contract_example(queues)
+    queues.pop_for(["m"], at_us=100)
+    rows, turns = queues.queued("m"), queues.turns()
+
+    queues.rebuild(reversed(rows), turns)
+
+    assert ids(queues.queued("m")) == ["b1", "a2", "b2", "a3", "a4", "a5", "a6"]
+    assert queues.turns() == [Turn("m", "alice", 100)]
+
+
+def across_a_workers_models_the_oldest_turn_goes_first(queues):
+    for queued in [QueuedJob("alice-x", "x", 9, 1, "alice"), QueuedJob("alice-x2", "x", 9, 2, "alice"),
+                   QueuedJob("bob-y", "y", 0, 3, "bob"), QueuedJob("alice-y", "y", 0, 0, "alice")]:
+        queues.push(queued)
+
+    # alice's turn on y is the oldest (her job of t=0); a turn on y takes a job of y
+    assert queues.pop_for(["x", "y"], at_us=10).job_id == "alice-y"
+    assert queues.pop_for(["x", "y"], at_us=11).job_id == "alice-x"  # her turn on x: t=1
+    assert queues.pop_for(["x", "y"], at_us=12).job_id == "bob-y"  # t=3 beats alice's 11 on x
+    assert queues.pop_for(["x", "y"], at_us=13).job_id == "alice-x2"
+
+
+def a_dispatch_without_a_time_still_sends_the_account_to_the_back(queues):
+    contract_example(queues)
+
+    assert ids(queues.pop_for(["m"]) for _ in range(4)) == ["a1", "b1", "a2", "b2"]
+    # each turn one after the newest key in the rotation: 8 (after bob's 7), 9, 10, 11
+    assert [(t.account, t.turn_us) for t in queues.turns()] == [("alice", 10), ("bob", 11)]
+
+
+FAIR_SHARE_CASES = [accounts_take_turns_whatever_came_first,
+                    a_high_priority_job_takes_its_own_accounts_turn_and_never_moves_another_back,
+                    an_account_arriving_later_joins_the_round_after_those_served_before_it,
+                    a_job_sent_back_keeps_its_place_in_its_line_and_the_account_its_turn,
+                    the_turns_survive_a_rebuild_from_the_database_rows,
+                    across_a_workers_models_the_oldest_turn_goes_first,
+                    a_dispatch_without_a_time_still_sends_the_account_to_the_back]
+
+
+@pytest.mark.parametrize("case", FAIR_SHARE_CASES, ids=lambda case: case.__name__)
+def test_fair_share(case):
+    case(MemoryQueues())
+
+
 # --- MemoryQueues: any interleaving keeps the order (Hypothesis) -------------------------------
 
 MODELS = ("a", "b", "c")
 
 
+ACCOUNTS = ("alice", "bob", "carol")
+
+
+class FairShareReference:
+    """The contract's turn rule, computed from scratch at every question (slow and obviously right):
+    the next job is the best (priority, then submission) of the account that has gone longest
+    without a dispatch from the queue, counting from its oldest queued job's submission if never.
+    Across a worker's models, the oldest of those turns."""
+
+    def __init__(self) -> None:
+        self.jobs: dict[str, QueuedJob] = {}
+        self.last: dict[tuple[str, str], int] = {}
+
+    def key(self, model: str, account: str) -> int:
+        mine = [j.submitted_us for j in self.jobs.values() if j.model_id == model and j.account == account]
+        return self.last.get((model, account), min(mine))
+
+    def order(self, model: str) -> list[str]:
+        """Dispatch order as the queue stands: simulate the pops without touching the real state."""
+        saved_jobs, saved_last = dict(self.jobs), dict(self.last)
+        order, now = [], 10**15
+        while any(j.model_id == model for j in self.jobs.values()):
+            now += 1
+            order.append(self.pop([model], now=now).job_id)
+        self.jobs, self.last = saved_jobs, saved_last
+        return order
+
+    def pop(self, models, *, now: int) -> QueuedJob | None:
+        heads = []
+        for model in models:
+            accounts = {j.account for j in self.jobs.values() if j.model_id == model}
+            if accounts:
+                account = min(accounts, key=lambda a: (self.key(model, a), a))
+                best = min((j for j in self.jobs.values() if j.model_id == model and j.account == account),
+                           key=lambda j: j.key)
+                heads.append((self.key(model, account), account, best))
+        if not heads:
+            return None
+        _, account, job = min(heads, key=lambda h: (h[0], h[1], h[2].key))  # each model has its own turns
+        self.last[(job.model_id, account)] = now
+        return self.jobs.pop(job.job_id)
+
+
 class QueueMachine(RuleBasedStateMachine):
-    """Pushes, re-pushes, removals and pops in any order; the queue must always equal the model:
-    per model, priority first then submission order, positions 1..n, and a rebuild agrees."""
+    """Pushes, re-pushes, removals and pops by several accounts in any order; the queue must always
+    agree with the reference: per model, the turns' order, positions 1..n, and a rebuild (with the
+    turns) agrees."""
 
     queued_jobs = Bundle("queued_jobs")
     taken_jobs = Bundle("taken_jobs")
@@ -134,75 +273,74 @@ class QueueMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.queues = MemoryQueues()
-        self.expected: dict[str, QueuedJob] = {}
-        self.submitted = 0
+        self.reference = FairShareReference()
+        self.now = 0
 
-    @staticmethod
-    def order(jobs) -> list[str]:
-        return [j.job_id for j in sorted(jobs, key=lambda j: (-j.priority, j.submitted_us))]
+    def tick(self) -> int:
+        self.now += 1_000  # every step happens later than the one before
+        return self.now
 
-    @rule(target=queued_jobs, model=st.sampled_from(MODELS), priority=st.integers(0, 9))
-    def submit(self, model: str, priority: int) -> QueuedJob:
-        self.submitted += 1  # submission order is strictly increasing
-        new = QueuedJob(job_id=f"job-{self.submitted:04d}", model_id=model, priority=priority,
-                        submitted_us=1_000 * self.submitted)
+    @rule(target=queued_jobs, model=st.sampled_from(MODELS), account=st.sampled_from(ACCOUNTS),
+          priority=st.integers(0, 9))
+    def submit(self, model: str, account: str, priority: int) -> QueuedJob:
+        at = self.tick()
+        new = QueuedJob(job_id=f"job-{at:08d}", model_id=model, priority=priority, submitted_us=at, account=account)
         assert self.queues.push(new) is True
-        self.expected[new.job_id] = new
+        self.reference.jobs[new.job_id] = new
         return new
 
     @rule(target=taken_jobs, queued=consumes(queued_jobs))
     def remove(self, queued: QueuedJob) -> QueuedJob:
         removed = self.queues.remove(queued.job_id)
-        if queued.job_id in self.expected:
-            assert removed == queued
-            del self.expected[queued.job_id]
+        if queued.job_id in self.reference.jobs:
+            assert removed == queued._replace(turn_us=None)
+            del self.reference.jobs[queued.job_id]
         else:  # popped meanwhile
             assert removed is None
         return queued
 
     @rule(target=taken_jobs, models=st.sets(st.sampled_from(MODELS)))
     def pop(self, models: set[str]):
-        candidates = [j for j in self.expected.values() if j.model_id in models]
-        popped = self.queues.pop_for(sorted(models))
-        if not candidates:
-            assert popped is None
-            return popped
-        assert popped is not None
-        assert popped.job_id == self.order(candidates)[0]
-        del self.expected[popped.job_id]
+        at = self.tick()
+        expected = self.reference.pop(sorted(models), now=at)
+        popped = self.queues.pop_for(sorted(models), at_us=at)
+        assert (popped.job_id if popped else None) == (expected.job_id if expected else None)
+        if popped is not None:
+            assert popped.turn_us == at
         return popped
 
     @rule(taken=consumes(taken_jobs))
     def send_back(self, taken: QueuedJob | None) -> None:
-        if taken is None or taken.job_id in self.expected:
+        if taken is None or taken.job_id in self.reference.jobs:
             return
         assert self.queues.push(taken) is True
-        self.expected[taken.job_id] = taken
+        self.reference.jobs[taken.job_id] = taken._replace(turn_us=None)
 
     @rule(queued=queued_jobs)
     def push_again(self, queued: QueuedJob) -> None:
         pushed = self.queues.push(queued)
-        assert pushed is (queued.job_id not in self.expected)
-        self.expected[queued.job_id] = queued
+        assert pushed is (queued.job_id not in self.reference.jobs)
+        self.reference.jobs[queued.job_id] = queued
 
-    @precondition(lambda self: len(self.expected) > 0)
+    @precondition(lambda self: len(self.reference.jobs) > 0)
     @rule(data=st.data())
     def rebuild(self, data) -> None:
-        rows = data.draw(st.permutations(list(self.expected.values())))
-        self.queues.rebuild(rows)
+        rows = data.draw(st.permutations(list(self.reference.jobs.values())))
+        turns = [Turn(model, account, turn) for (model, account), turn in self.reference.last.items()]
+        self.queues.rebuild(rows, data.draw(st.permutations(turns)))
 
     @invariant()
-    def it_keeps_priority_then_fifo_order_and_positions(self) -> None:
-        assert len(self.queues) == len(self.expected)
+    def it_keeps_the_turns_order_and_positions(self) -> None:
+        assert len(self.queues) == len(self.reference.jobs)
         for model in MODELS:
-            expected = self.order(j for j in self.expected.values() if j.model_id == model)
+            expected = self.reference.order(model)
             assert ids(self.queues.queued(model)) == expected
             assert [self.queues.position(job_id) for job_id in expected] == list(range(1, len(expected) + 1))
 
     @invariant()
     def it_rebuilds_to_the_same_order(self) -> None:
         rebuilt = MemoryQueues()
-        rebuilt.rebuild(reversed(list(self.expected.values())))
+        rebuilt.rebuild(reversed(list(self.reference.jobs.values())), self.queues.turns())
         for model in MODELS:
             assert ids(rebuilt.queued(model)) == ids(self.queues.queued(model))
 
@@ -245,8 +383,11 @@ PLAN_CASES = [
     pytest.param([job("b1", model="b", at=1), job("b2", model="b", at=2)], [worker("wa", "a")], {}, [],
                  id="no worker serves the model"),
     pytest.param([job("a1", model="a", at=1), job("b-urgent", model="b", priority=9, at=2)],
-                 [worker("wab", {"a", "b"})], {}, [("b-urgent", "wab"), ("a1", "wab")],
-                 id="across models: priority first"),
+                 [worker("wab", {"a", "b"})], {}, [("a1", "wab"), ("b-urgent", "wab")],
+                 id="across models: the oldest turn first, each model's queue its own"),
+    pytest.param([QueuedJob(f"a{n}", "m", 9, n, "alice") for n in range(1, 4)] + [QueuedJob("b1", "m", 0, 9, "bob")],
+                 [worker("w")], {"depth": 3}, [("a1", "w"), ("b1", "w"), ("a2", "w")],
+                 id="priority 9 does not jump another account's turn"),
     pytest.param([], [worker("w")], {}, [], id="nothing queued"),
     pytest.param(five_jobs(), [], {}, [], id="no worker"),
 ]
@@ -274,8 +415,9 @@ def test_the_default_depth_is_the_contracts(settings):
 @st.composite
 def dispatch_situations(draw):
     models = ["a", "b", "c"]
-    jobs = draw(st.lists(st.tuples(st.sampled_from(models), st.integers(0, 3)), max_size=30))
-    queued = [job(f"j{n}", model=m, priority=p, at=n) for n, (m, p) in enumerate(jobs)]
+    jobs = draw(st.lists(st.tuples(st.sampled_from(models), st.integers(0, 3), st.sampled_from(ACCOUNTS)),
+                         max_size=30))
+    queued = [QueuedJob(f"j{n}", m, p, n, account) for n, (m, p, account) in enumerate(jobs)]
     depth = draw(st.integers(1, 4))
     workers = [worker(f"w{n}", set(draw(st.sets(st.sampled_from(models), max_size=3))),
                       held=draw(st.integers(0, depth)), joined=n) for n in range(draw(st.integers(0, 5)))]
@@ -288,6 +430,7 @@ def test_it_never_overfills_a_worker_nor_sends_a_job_twice_nor_leaves_a_fitting_
     queued, workers, depth = situation
     queues = queues_of(*queued)
     by_id = {w.worker_id: w for w in workers}
+    order_before = {model: ids(queues.queued(model)) for model in ["a", "b", "c"]}
 
     planned = plan_dispatch(queues, workers, depth=depth)
 
@@ -301,10 +444,10 @@ def test_it_never_overfills_a_worker_nor_sends_a_job_twice_nor_leaves_a_fitting_
         assert held[w.worker_id] <= max(depth, w.held)
         if held[w.worker_id] < depth:  # room left: nothing of its models may still be queued
             assert all(not queues.queued(model) for model in w.models)
-    # What each worker got comes in queue order (priority, then submission).
-    for w in workers:
-        got = [a.job for a in planned if a.worker_id == w.worker_id]
-        assert got == sorted(got, key=lambda j: j.key)
+    # What left each model's queue left it in the order its positions said.
+    for model in ["a", "b", "c"]:
+        taken = [a.job.job_id for a in planned if a.job.model_id == model]
+        assert taken == order_before[model][:len(taken)]
 
 
 # --- retry_decision -----------------------------------------------------------------------------

@@ -19,9 +19,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, rule
 
-from scheduling.policy import QueuedJob
+from scheduling.policy import QueuedJob, Turn
 from scheduling.queues.memory import MemoryQueues
 from scheduling.queues.redis import QueueLost, QueueRebuildTimedOut, RedisQueues, redis_client_from_url
+from tests.scheduling.test_policy import FAIR_SHARE_CASES
 from tests.scheduling.test_policy import ORDER_CASES as IN_PROCESS_ORDER_CASES
 
 REDIS_URL = os.environ.get("REDIS_URL") or "redis://127.0.0.1:6379/15"
@@ -49,6 +50,11 @@ def job(job_id: str, *, model: str = "m", priority: int = 0, at: int = 0) -> Que
 
 def ids(jobs) -> list[str]:
     return [queued.job_id for queued in jobs]
+
+
+def untimed(queued: QueuedJob | None) -> QueuedJob | None:
+    """A popped job without the turn its dispatch took (to compare with what was pushed)."""
+    return queued._replace(turn_us=None) if queued else None
 
 
 def new_prefix() -> str:
@@ -136,16 +142,21 @@ def test_it_keeps_each_model_in_its_own_queue(queues):
     assert len(queues) == 3 and "a2" in queues and "zz" not in queues
 
 
-def test_it_pops_the_best_job_across_the_models_a_worker_serves(queues):
+def test_it_pops_the_oldest_turn_across_the_models_a_worker_serves(queues):
     fill(queues, job("a1", model="a", at=1), job("b-urgent", model="b", priority=3, at=2), job("c1", model="c", at=0))
 
-    assert queues.peek_for(["a", "b"]) == job("b-urgent", model="b", priority=3, at=2)
-    assert queues.pop_for(["a", "b"]) == job("b-urgent", model="b", priority=3, at=2)
-    assert queues.pop_for(iter(["a", "b", "nobody"])) == job("a1", model="a", at=1)
+    assert queues.peek_for(["a", "b"]) == job("a1", model="a", at=1)
+    assert queues.pop_for(["a", "b"], at_us=5) == job("a1", model="a", at=1)._replace(turn_us=5)
+    assert queues.pop_for(iter(["a", "b", "nobody"])) == job("b-urgent", model="b", priority=3, at=2)._replace(turn_us=3)
     assert queues.pop_for(["a", "b"]) is None
     assert queues.pop_for([]) is None and queues.peek_for([]) is None
     assert ids(queues.queued("c")) == ["c1"]
     assert queues.counts() == {"c": 1}
+
+
+@pytest.mark.parametrize("case", FAIR_SHARE_CASES, ids=lambda case: case.__name__)
+def test_fair_share(queues, case):
+    case(queues)
 
 
 def test_it_leaves_the_job_it_peeks_at_in_place(queues):
@@ -194,7 +205,7 @@ def test_it_leaves_out_of_the_counts_a_model_whose_last_job_left(queues):
     queues.remove("a1")
 
     assert queues.counts() == {"b": 1}
-    assert queues.pop_for(["b"]) == job("b1", model="b")
+    assert queues.pop_for(["b"]).job_id == "b1"
     assert queues.counts() == {}
 
 
@@ -224,7 +235,8 @@ def test_it_keeps_the_last_row_of_a_job_id_given_twice_to_a_rebuild(queues):
 
 MODELS = ("a", "b", "c")
 JOB_IDS = st.text(alphabet="aAbB-0é", min_size=1, max_size=4)
-INSTANTS = st.sampled_from([0, 1, 2, 1_700_000_000_000_000, 10**17 - 1])
+ACCOUNTS = st.sampled_from(["", "1", "12", "2", "é"])  # prefixes of each other, and not ASCII
+INSTANTS = st.sampled_from([0, 1, 2, 1_700_000_000_000_000, 2**52 - 1])
 _machine_client = redis_client_from_url(REDIS_URL)
 
 
@@ -248,15 +260,16 @@ class BothQueuesMachine(RuleBasedStateMachine):
     def first_id(self) -> str:
         return "a"
 
-    @rule(target=job_ids, job_id=JOB_IDS, model=st.sampled_from(MODELS), priority=st.integers(0, 9), at=INSTANTS)
-    def push(self, job_id: str, model: str, priority: int, at: int) -> str:
-        pushed = QueuedJob(job_id, model, priority, at)
+    @rule(target=job_ids, job_id=JOB_IDS, model=st.sampled_from(MODELS), priority=st.integers(0, 9), at=INSTANTS,
+          account=ACCOUNTS)
+    def push(self, job_id: str, model: str, priority: int, at: int, account: str) -> str:
+        pushed = QueuedJob(job_id, model, priority, at, account)
         assert self.redis.push(pushed) == self.reference.push(pushed)
         return job_id
 
-    @rule(job_id=job_ids, model=st.sampled_from(MODELS), priority=st.integers(0, 9), at=INSTANTS)
-    def push_a_known_id(self, job_id: str, model: str, priority: int, at: int) -> None:
-        pushed = QueuedJob(job_id, model, priority, at)
+    @rule(job_id=job_ids, model=st.sampled_from(MODELS), priority=st.integers(0, 9), at=INSTANTS, account=ACCOUNTS)
+    def push_a_known_id(self, job_id: str, model: str, priority: int, at: int, account: str) -> None:
+        pushed = QueuedJob(job_id, model, priority, at, account)
         assert self.redis.push(pushed) == self.reference.push(pushed)
 
     @rule(job_id=job_ids)
@@ -267,21 +280,23 @@ class BothQueuesMachine(RuleBasedStateMachine):
     def peek(self, models: list[str]) -> None:
         assert self.redis.peek_for(models) == self.reference.peek_for(models)
 
-    @rule(models=st.lists(st.sampled_from(MODELS), max_size=4))
-    def pop(self, models: list[str]) -> None:
-        assert self.redis.pop_for(models) == self.reference.pop_for(models)
+    @rule(models=st.lists(st.sampled_from(MODELS), max_size=4), at=st.one_of(st.none(), INSTANTS))
+    def pop(self, models: list[str], at: int | None) -> None:
+        assert self.redis.pop_for(models, at_us=at) == self.reference.pop_for(models, at_us=at)
 
     @rule(data=st.data())
     def rebuild(self, data) -> None:
         rows = [queued for model in MODELS for queued in self.reference.queued(model)]
         rows = data.draw(st.permutations(rows))
-        self.redis.rebuild(rows)
-        self.reference.rebuild(rows)
+        turns = data.draw(st.permutations(self.reference.turns()))
+        self.redis.rebuild(rows, turns)
+        self.reference.rebuild(rows, turns)
 
     @invariant()
     def they_agree(self) -> None:
         assert len(self.redis) == len(self.reference)
         assert self.redis.counts() == self.reference.counts()
+        assert self.redis.turns() == self.reference.turns()
         for model in MODELS:
             queued = self.reference.queued(model)
             assert self.redis.queued(model) == queued
@@ -294,7 +309,7 @@ TestBothQueuesAgree = BothQueuesMachine.TestCase
 
 # --- what only RedisQueues checks -----------------------------------------------------------------
 
-BAD_JOBS = [job("p", priority=10), job("p", priority=-1), job("t", at=-1), job("t", at=10**17), job("x" * 1001)]
+BAD_JOBS = [job("p", priority=10), job("p", priority=-1), job("t", at=-1), job("t", at=2**52), job("x" * 1001)]
 
 
 @pytest.mark.parametrize("bad", BAD_JOBS, ids=["priority 10", "priority -1", "before 1970", "too late", "long id"])
@@ -318,8 +333,9 @@ def test_it_answers_the_same_through_a_client_that_decodes_responses(prefix):
         queues.push(job("c", at=1))
 
         assert queues.queued("m") == [job("c", at=1), job("b", at=2)]
-        assert queues.pop_for(["m", "n"]) == job("a", model="n", priority=3)
+        assert queues.pop_for(["m", "n"], at_us=7) == job("a", model="n", priority=3)._replace(turn_us=7)  # n's t=0
         assert queues.counts() == {"m": 2} and queues.position("b") == 2
+        assert queues.turns() == [Turn("n", "", 7)]
 
 
 # --- lost data ------------------------------------------------------------------------------------
@@ -378,7 +394,7 @@ def test_it_recovers_from_the_database_once_and_then_carries_on(client, prefix, 
     assert queues.recover(load("first")) is True
     assert other.recover(load("other")) is False  # whole again: nothing to do
     assert loads == {"first": 1}
-    assert other.pop_for(["m"]) == job("a", at=1)
+    assert untimed(other.pop_for(["m"])) == job("a", at=1)
     assert queues.queued("m") == [job("b", at=2)]
 
 
@@ -543,9 +559,11 @@ def test_processes_popping_at_once_get_every_job_exactly_once(client, prefix, sh
     run_threads(len(processes), pop_all)
 
     everything = [taken for taken_by_one in popped for taken in taken_by_one]
-    assert len(everything) == len(jobs) and set(everything) == set(jobs)
-    for taken_by_one in popped:  # each process took its jobs in dispatch order
-        assert taken_by_one == sorted(taken_by_one, key=lambda queued: queued.key)
+    assert len(everything) == len(jobs) and set(map(untimed, everything)) == set(jobs)
+    for model in "ab":  # one account: each model's jobs left in its order, each with a later turn
+        left = sorted((taken for taken in everything if taken.model_id == model), key=lambda queued: queued.turn_us)
+        assert left == sorted(left, key=lambda queued: queued.key)
+        assert len({taken.turn_us for taken in left}) == len(left)
     assert len(processes[0]) == 0 and processes[0].counts() == {}
 
 
@@ -567,7 +585,7 @@ def test_a_job_removed_and_popped_at_once_goes_to_exactly_one(client, prefix, sh
 
     run_threads(len(processes), pop_or_remove)
 
-    everything = Counter(queued for taken_by_one in taken for queued in taken_by_one)
+    everything = Counter(untimed(queued) for taken_by_one in taken for queued in taken_by_one)
     assert set(everything) == set(jobs) and set(everything.values()) == {1}
     assert len(processes[0]) == 0
 
