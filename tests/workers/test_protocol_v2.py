@@ -315,3 +315,25 @@ async def test_a_v2_worker_that_dies_before_letting_go_frees_nothing_twice(alice
 
 async def _state_is(job_id: str, state: str) -> bool:
     return (await job_row(job_id))["state"] == state
+
+
+async def test_the_answer_to_a_cancel_does_not_touch_the_jobs_next_run_on_the_same_worker(alice, v2_workers,
+                                                                                        settings):
+    settings.JOB_DISPATCH_DEPTH = 3
+    job_id, = await submit_many(alice, 1)
+    first = v2_workers("host-a:0")
+    await first.join(["tiny-a"])
+    await first.jobs(1)
+    await first.close()  # dead: the job is queued again (attempt 2)
+
+    again = v2_workers("host-a:0")
+    await again.join(["tiny-a"], jobs=[job_id])  # still running the first attempt
+    messages = await again.drain()
+    assert sorted((m["type"], m.get("attempt")) for m in messages) == [("cancel", None), ("job", 2)]
+
+    await again.failed(job_id, "cancelled")  # about the first run
+    assert await again.receive() == ack(job_id)
+    assert await held(job_id) == ("dispatched", "host-a:0", 2)
+    await again.result(job_id, [PNG_B64])  # the second run's
+    assert await again.receive() == ack(job_id)
+    assert await held(job_id) == ("succeeded", "host-a:0", 2)
