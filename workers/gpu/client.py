@@ -1,6 +1,7 @@
 """The worker loop: the worker socket (potocolom.protocol.worker, both ways), reconnecting with
 backoff; jobs go to the denoising thread, frames of live sessions beside them, and everything the
-threads produce leaves through one outbox that keeps final messages across a reconnect."""
+threads produce leaves through one outbox (outbox.py) that keeps final messages across a reconnect
+and, with a v2 API, until their job_ack."""
 from __future__ import annotations
 
 import asyncio
@@ -9,7 +10,6 @@ import json
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any, cast
 
 from websockets.asyncio.client import ClientConnection, connect
@@ -18,10 +18,12 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidSta
 from potocolom.protocol.errors import MessageError
 from potocolom.protocol.rungs import MODE_AUTO
 from potocolom.protocol.worker import (
+    PROTOCOL_V2,
     Cancel,
     FrameOrder,
     Heartbeat,
     Hello,
+    JobAck,
     JobFailed,
     JobOrder,
     RungChanged,
@@ -30,9 +32,11 @@ from potocolom.protocol.worker import (
     Welcome,
     parse_api_message,
 )
-from workers.gpu.connection import Backoff, TokenRefused, WorkerConfig, worker_socket_url
+from workers.gpu.connection import Backoff, TokenRefused, WorkerConfig, auth_headers, worker_socket_url
 from workers.gpu.frames import FramePipeline, FrameRunner
 from workers.gpu.jobs import DenoiseLoop, Encode, HeldJob, JobTiming, Pipeline, encode_png_b64
+from workers.gpu.limits import Limits
+from workers.gpu.outbox import KEPT_WHILE_DOWN, Outbox, Outgoing
 from workers.gpu.sessions import SessionDesk
 from workers.gpu.slots import RealtimeCapacity
 
@@ -42,51 +46,45 @@ TOKEN_REFUSED_CODE = 4001
 MAX_MESSAGE_BYTES = 64 * 2**20  # jobs carry init images; be generous on what we accept
 DEFAULT_HEARTBEAT_SECONDS = 10.0
 OPEN_TIMEOUT_SECONDS = 10.0
-FINAL_TYPES = frozenset({"job_result", "job_failed"})
-# Kept across a reconnect; progress, heartbeats and anything about sessions (the API sends those
-# back to its queue when the connection drops) are stale on the next one, so dropped.
-KEPT_WHILE_DOWN = frozenset({"job_started", "job_result", "job_failed"})
-
-
-@dataclass
-class _Outgoing:
-    """A message waiting in the outbox, already serialized (off the event loop, for big images)."""
-
-    kind: str
-    text: str
-    job: HeldJob | None
+KEPT_TIMINGS = 1000  # WorkerClient.timings keeps the latest jobs only: a worker runs for days
+CANCELLED = "cancelled"  # job_failed.error of a job let go on a v2 API's cancel
 
 
 class WorkerClient:
     """One GPU worker's connection to the API, its held jobs and its timings.
 
-    `timings` lists a JobTiming per job received, in arrival order (see jobs.denoise_idle_gaps).
-    `encode` is the seam that turns images into job_result strings (tests slow it down).
-    `realtime` is each model's measured capacity (slots.measure_capacity); a model without one,
-    or not on the full rung, serves no sessions. `memory_mode` is MEMORY_MODE (what an
-    out-of-memory error may do, see jobs.py); `gpu_info`, when given, is read for each hello's
-    `gpu` instead of `config.gpu` (so free memory is current).
+    `timings` holds a JobTiming per job received, in arrival order, the latest `keep_timings`
+    (see jobs.denoise_idle_gaps). `encode` is the seam that turns images into job_result strings
+    (tests slow it down). `realtime` is each model's measured capacity (slots.measure_capacity); a
+    model without one, or not on the full rung, serves no sessions. `memory_mode` is MEMORY_MODE
+    (what an out-of-memory error may do, see jobs.py); `gpu_info`, when given, is read for each
+    hello's `gpu` instead of `config.gpu` (so free memory is current). `limits` caps the images
+    frames may declare (default: the environment's); `outbox` bounds the final messages kept.
     """
 
     def __init__(self, config: WorkerConfig, pipelines: Mapping[str, Pipeline], *,
                  encode: Encode = encode_png_b64, clock: Callable[[], float] = time.monotonic,
                  realtime: Mapping[str, RealtimeCapacity] | None = None, memory_mode: str = MODE_AUTO,
-                 gpu_info: Callable[[], dict[str, Any] | None] | None = None):
+                 gpu_info: Callable[[], dict[str, Any] | None] | None = None, limits: Limits | None = None,
+                 outbox: Outbox | None = None, keep_timings: int = KEPT_TIMINGS):
         self.config = config
         self._gpu_info = gpu_info
-        self.url = worker_socket_url(config.api_url, config.token)
+        self.url = worker_socket_url(config.api_url)
+        self._headers = auth_headers(config.token)
         self.pipelines = dict(pipelines)
-        self.timings: list[JobTiming] = []
+        self.timings: collections.deque[JobTiming] = collections.deque(maxlen=keep_timings)
         self.welcome: dict[str, Any] | None = None  # the latest welcome
         self.welcomes = 0  # how many connections got as far as a welcome
+        self.protocol = 1  # the protocol of the current connection: 2 once a v2 welcome came
         self._clock = clock
         self._backoff = Backoff(config.reconnect_initial_seconds, config.reconnect_max_seconds)
         self._held: dict[str, HeldJob] = {}
-        self._outbox: collections.deque[_Outgoing] = collections.deque()
+        self._outbox = outbox if outbox is not None else Outbox()
+        limits = limits or Limits.from_env()
         frame_pipelines = {m: cast(FramePipeline, p) for m, p in self.pipelines.items() if m in (realtime or {})}
         self.frames = FrameRunner(frame_pipelines, {m: c.slots for m, c in (realtime or {}).items()},
-                                  self._post_frame, clock=clock)
-        self._denoiser = DenoiseLoop(self.pipelines, self._post, self._release_threadsafe,
+                                  self._post_frame, clock=clock, max_image_pixels=limits.max_image_pixels)
+        self._denoiser = DenoiseLoop(self.pipelines, self._post, self._let_go_threadsafe,
                                      encode=encode, clock=clock, frames=self.frames, memory_mode=memory_mode,
                                      demote=self._demote_model)
         self.sessions = SessionDesk(cast(Mapping[str, FramePipeline], self.pipelines), realtime or {}, self.frames,
@@ -100,18 +98,30 @@ class WorkerClient:
         self._closing: asyncio.Task[None] | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._handlers: dict[type, Callable[[Any], None]] = {
-            Welcome: self._on_welcome, JobOrder: self._on_job, Cancel: self._on_cancel,
+            Welcome: self._on_welcome, JobOrder: self._on_job, Cancel: self._on_cancel, JobAck: self._on_job_ack,
             SessionStart: self._on_session_start, SessionEnd: self._on_session_end, FrameOrder: self._on_frame,
         }
+
+    @property
+    def v2(self) -> bool:
+        """The API of the current connection said protocol 2: job_ack and cancel answers apply."""
+        return self.protocol >= PROTOCOL_V2
+
+    @property
+    def unacknowledged(self) -> list[str]:
+        """The jobs whose final message waits to be sent or acknowledged, oldest first."""
+        return self._outbox.final_ids
 
     # --- lifecycle ----------------------------------------------------------------------------
 
     def hello_message(self) -> dict[str, Any]:
-        """The first message of every connection: who we are and what we serve, on which rung."""
+        """The first message of every connection: who we are, what we serve on which rung, and
+        (v2) the jobs we hold: running, waiting, or ended with a final message not acknowledged."""
         models = tuple(self.sessions.hello_entry(model_id, pipeline.rung)
                        for model_id, pipeline in self.pipelines.items())
         gpu = self._gpu_info() if self._gpu_info is not None else self.config.gpu
-        return Hello(self.config.worker_id, gpu, models).to_wire()
+        jobs = tuple(dict.fromkeys([*self._held, *self._outbox.final_ids]))
+        return Hello(self.config.worker_id, gpu, models, protocol=PROTOCOL_V2, jobs=jobs).to_wire()
 
     async def run(self) -> None:
         """Serve until stop(), reconnecting forever; raises TokenRefused on close code 4001."""
@@ -152,8 +162,9 @@ class WorkerClient:
         """One connection, from the handshake until it closes; errors other than a refused token
         are logged (the caller retries)."""
         try:
-            async with connect(self.url, max_size=MAX_MESSAGE_BYTES, compression=None,
-                               open_timeout=OPEN_TIMEOUT_SECONDS, close_timeout=2) as ws:
+            # The token travels in the handshake's Authorization header, never in the URL (logs).
+            async with connect(self.url, additional_headers=self._headers, max_size=MAX_MESSAGE_BYTES,
+                               compression=None, open_timeout=OPEN_TIMEOUT_SECONDS, close_timeout=2) as ws:
                 await self._serve(ws)
         except InvalidStatus as exc:
             if exc.response.status_code in (401, 403):
@@ -168,6 +179,7 @@ class WorkerClient:
         if self._stopped.is_set():
             return
         self._ws = ws
+        self.protocol = 1  # until this connection's welcome says otherwise
         try:
             await ws.send(json.dumps(self.hello_message()))
             async for raw in ws:
@@ -216,9 +228,11 @@ class WorkerClient:
             return  # a repeated welcome on this connection changes nothing we run
         self._welcomed_ws = self._ws
         self.welcomes += 1
+        self.protocol = message.protocol
         self._backoff.reset()
-        log.info("welcomed by %s as %s (heartbeat every %s s)", self.config.api_url, self.config.worker_id, period)
-        self._outbox = collections.deque(out for out in self._outbox if out.kind in KEPT_WHILE_DOWN)
+        log.info("welcomed by %s as %s (protocol %d, heartbeat every %s s)", self.config.api_url,
+                 self.config.worker_id, self.protocol, period)
+        self._outbox.reconnected()  # final messages not acknowledged go again, right after the welcome
         assert self._outbox_ready is not None
         self._tasks.append(asyncio.create_task(self._send_outbox(self._ws), name="outbox"))
         self._tasks.append(asyncio.create_task(self._heartbeat(float(period)), name="heartbeat"))
@@ -226,7 +240,7 @@ class WorkerClient:
 
     def _on_job(self, message: JobOrder) -> None:
         job_id, model_id = message.job_id, message.model_id
-        if job_id in self._held:
+        if job_id in self._held or self._outbox.holds_final(job_id):
             log.info("job %s is already held; ignoring the duplicate", job_id)
             return
         timing = JobTiming(job_id=job_id, model_id=model_id, received=self._clock())
@@ -238,17 +252,34 @@ class WorkerClient:
                  len(self._held))
 
     def _on_cancel(self, message: Cancel) -> None:
+        """Let the job go: a waiting one at once, the running one at its next step boundary (no
+        image decoded). A v2 API is answered job_failed "cancelled" then; a v1 API gets nothing more."""
         job_id = message.job_id
+        if self._outbox.holds_final(job_id):
+            if self.v2:
+                log.info("cancel for job %s, which already ended: its final message answers it", job_id)
+            else:
+                self._outbox.forget(job_id)  # v1: nothing more is sent about a cancelled job
+                log.info("job %s cancelled; its final message is not sent", job_id)
+            return
         job = self._held.get(job_id)
         if job is None:
             log.info("cancel for job %s, which this worker does not hold", job_id)
             return
-        job.cancel()  # a waiting job is dropped, the running one interrupted at its next step
-        log.info("job %s cancelled", job_id)
+        if job.cancel(answer=self.v2):
+            log.info("job %s cancelled while it waited", job_id)
+            self._let_go(job)
+        else:
+            log.info("job %s cancelled: it stops at its next step", job_id)
+
+    def _on_job_ack(self, message: JobAck) -> None:
+        out = self._outbox.ack(message.job_id)
+        if out is None:
+            log.debug("job_ack for job %s, which has no final message waiting", message.job_id)
 
     def _on_session_start(self, message: SessionStart) -> None:
         answer = self.sessions.start(message.session_id, message.model_id, message.params)
-        self._enqueue(_Outgoing(answer.type, json.dumps(answer.to_wire()), None))
+        self._enqueue(Outgoing(answer.type, json.dumps(answer.to_wire()), None))
 
     def _on_session_end(self, message: SessionEnd) -> None:
         self.sessions.end(message.session_id)
@@ -274,7 +305,7 @@ class WorkerClient:
         rung = self.pipelines[model_id].rung
         self.sessions.demote(model_id, rung)
         message = RungChanged(self.sessions.hello_entry(model_id, rung))
-        self._enqueue(_Outgoing(message.type, json.dumps(message.to_wire()), None))
+        self._enqueue(Outgoing(message.type, json.dumps(message.to_wire()), None))
 
     # --- outgoing -----------------------------------------------------------------------------
 
@@ -286,7 +317,7 @@ class WorkerClient:
             failed = JobFailed(message["job_id"],
                                f"result of {len(text)} bytes is over the {self.config.max_result_bytes}-byte limit")
             kind, text = failed.type, json.dumps(failed.to_wire())
-        self._call_soon(self._enqueue, _Outgoing(kind, text, job))
+        self._call_soon(self._enqueue, Outgoing(kind, text, job, message.get("job_id")))
 
     def _post_frame(self, message: dict[str, Any]) -> None:
         """From the frame encoder: queue a frame_result, unless its session ended meanwhile."""
@@ -294,7 +325,7 @@ class WorkerClient:
 
     def _enqueue_frame(self, session_id: str, text: str) -> None:
         if self.sessions.holds(session_id):
-            self._enqueue(_Outgoing("frame_result", text, None))
+            self._enqueue(Outgoing("frame_result", text, None))
 
     def _call_soon(self, callback: Callable[..., None], *args: Any) -> None:
         if self._loop is None:
@@ -304,14 +335,20 @@ class WorkerClient:
         except RuntimeError:  # the loop has closed: the worker stopped
             pass
 
-    def _enqueue(self, out: _Outgoing) -> None:
+    def _enqueue(self, out: Outgoing) -> None:
         live = self._ws is not None and self._welcomed_ws is self._ws
         if out.kind not in KEPT_WHILE_DOWN and not live:
             return  # progress and heartbeats only mean something on a live connection
         if out.job is not None and out.job.cancelled:
-            self._release(out.job)  # nothing is sent for a cancelled job
+            if out.final:  # it ended as it was cancelled: let it go instead of reporting it
+                self._let_go(out.job)
             return
+        if out.final and out.job is not None:
+            self._release(out.job)  # it has ended; its final message is what remains of it here
         self._outbox.append(out)
+        self._wake_outbox()
+
+    def _wake_outbox(self) -> None:
         if self._outbox_ready is not None:
             self._outbox_ready.set()
 
@@ -330,22 +367,27 @@ class WorkerClient:
         while True:
             await self._outbox_ready.wait()
             self._outbox_ready.clear()
-            while self._outbox:
-                out = self._outbox[0]
-                if out.job is not None and out.job.cancelled:
-                    self._outbox.popleft()
-                    self._release(out.job)
+            while (out := self._outbox.peek()) is not None:
+                if not self._outbox.wanted(out) or (not out.final and out.job is not None and out.job.cancelled):
+                    self._outbox.popleft()  # acknowledged, dropped, or about a cancelled job
                     continue
                 await ws.send(out.text)
                 self._outbox.popleft()
-                if out.kind in FINAL_TYPES and out.job is not None:
+                self._outbox.sent(out, now=self._clock(), await_ack=self.v2)
+                if out.final and out.job is not None and out.job.timing.sent is None:  # logged once
                     self._finished(out.job, "succeeded" if out.kind == "job_result" else "failed")
 
     async def _heartbeat(self, period: float) -> None:
+        """A heartbeat every period; with a v2 API, also every final message still not
+        acknowledged a period after it was sent."""
         text = json.dumps(Heartbeat().to_wire())
+        cutoff = self._clock()
         while True:
             await asyncio.sleep(period)
-            self._enqueue(_Outgoing("heartbeat", text, None))
+            self._enqueue(Outgoing("heartbeat", text, None))
+            if self.v2 and self._outbox.resend_sent_before(cutoff):
+                self._wake_outbox()
+            cutoff = self._clock()
 
     def _finished(self, job: HeldJob, outcome: str) -> None:
         job.timing.sent = self._clock()
@@ -353,10 +395,23 @@ class WorkerClient:
         self._release(job)
         log.info("%s", job.timing.summary())
 
-    def _release(self, job: HeldJob) -> None:
-        """The job is done with: a new job with its id would be a new job."""
+    def _release(self, job: HeldJob) -> bool:
+        """The job is done with: a new job with its id would be a new job. True if it was held."""
         if self._held.get(job.job_id) is job:
             del self._held[job.job_id]
+            return True
+        return False
 
-    def _release_threadsafe(self, job: HeldJob) -> None:
-        self._call_soon(self._release, job)
+    def _let_go(self, job: HeldJob) -> None:
+        """On the event loop: a job stopped without a result (cancelled; or the worker stops). A
+        v2 API that cancelled it is owed job_failed "cancelled", kept until acknowledged."""
+        if not self._release(job):
+            return
+        if job.cancelled:
+            log.info("%s", job.timing.summary())
+        if job.cancelled and job.answer_cancel:
+            failed = JobFailed(job.job_id, CANCELLED)
+            self._enqueue(Outgoing(failed.type, json.dumps(failed.to_wire()), None, job.job_id))
+
+    def _let_go_threadsafe(self, job: HeldJob) -> None:
+        self._call_soon(self._let_go, job)

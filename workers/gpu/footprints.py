@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from workers.gpu.ladder import WORKING_FLOOR_BYTES, ComponentFootprint, Footprint, working_parts
+from workers.gpu.limits import MAX_IMAGE_SIDE, allowed_maximum
 
 DEFAULT_IMAGE_SIZE = 512
 
@@ -50,18 +51,10 @@ def component_footprint(name: str, module: Any) -> ComponentFootprint:
                               largest_group_bytes=max(groups, default=0))
 
 
-def largest_size(schema: Mapping[str, Any], key: str, default: int) -> int:
+def largest_size(schema: Mapping[str, Any], key: str, cap: int = MAX_IMAGE_SIDE) -> int:
     """The largest width (or height) a params_schema allows: the enum's largest, else `maximum`,
-    else the pipeline's default."""
-    spec = schema.get("properties", {}).get(key, {}) if isinstance(schema, Mapping) else {}
-    if isinstance(spec.get("enum"), list):
-        allowed = [v for v in spec["enum"] if isinstance(v, int) and not isinstance(v, bool) and v > 0]
-        if allowed:
-            return max(allowed)
-    high = spec.get("maximum")
-    if isinstance(high, int) and not isinstance(high, bool) and high > 0:
-        return high
-    return default
+    else `cap` (MAX_IMAGE_SIDE): a schema without a maximum lets a job ask for that much."""
+    return allowed_maximum(schema, key, cap)
 
 
 def _channels(module: Any) -> list[int]:
@@ -80,9 +73,10 @@ def default_size(pipe: Any) -> int:
 
 
 def pipeline_footprint(model_id: str, pipe: Any, schema: Mapping[str, Any],
-                       size: tuple[int, int] | None = None) -> Footprint:
+                       size: tuple[int, int] | None = None, *, max_side: int = MAX_IMAGE_SIDE) -> Footprint:
     """The footprint of a loaded diffusers pipeline (modules still on the CPU, at their run dtype),
-    for the largest image its schema allows (or `size`, width and height).
+    for the largest image its schema allows, `max_side` (MAX_IMAGE_SIDE) where it sets no maximum
+    (or `size`, width and height). Steps change a job's time, not its memory: they are not in it.
 
     A pipeline with a UNet and a VAE carries each one's own working memory (offload rungs run them
     one at a time); any other keeps only the whole model's (see Footprint.transient_bytes)."""
@@ -91,8 +85,7 @@ def pipeline_footprint(model_id: str, pipe: Any, schema: Mapping[str, Any],
     modules = {name: c for name, c in pipe.components.items() if isinstance(c, torch.nn.Module)}
     dtype_bytes = max((p.element_size() for m in modules.values() for p in m.parameters()), default=4)
     if size is None:
-        default = default_size(pipe)
-        size = largest_size(schema, "width", default), largest_size(schema, "height", default)
+        size = largest_size(schema, "width", max_side), largest_size(schema, "height", max_side)
     unet_channels, vae_channels = _channels(modules.get("unet")), _channels(modules.get("vae"))
     unet, vae = working_parts(width=size[0], height=size[1], vae_scale_factor=int(getattr(pipe, "vae_scale_factor", 8)),
                               unet_channels=unet_channels, vae_channels=vae_channels, dtype_bytes=dtype_bytes)

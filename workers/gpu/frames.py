@@ -4,6 +4,7 @@ when and why: docs/design/frame-batching.md."""
 from __future__ import annotations
 
 import base64
+import collections
 import io
 import logging
 import threading
@@ -14,11 +15,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from potocolom.protocol.worker import FrameResult
+from workers.gpu.limits import MAX_IMAGE_PIXELS
 from workers.gpu.pipelines import (
     FrameRequest,
     GenerationRequest,
     InvalidParams,
-    decode_image,
+    open_image,
 )
 
 if TYPE_CHECKING:
@@ -30,6 +32,7 @@ JPEG_QUALITY = 85  # frame_result images: JPEG is a fraction of PNG's size for d
 GATHER_FRACTION = 0.25  # the gather window: at most this fraction of the last batch's call time...
 GATHER_MAX_SECONDS = 0.05  # ...and never more than this
 ACTIVE_FRAMES = 3  # a session that ran no frame for this many frame times is not waited for
+KEPT_RUNS = 1000  # FrameRunner.runs keeps the latest batches only: a worker runs for days
 
 
 # --- frames and batches (pure) ------------------------------------------------------------------
@@ -58,7 +61,8 @@ class SessionParams:
 
 @dataclass(frozen=True)
 class Frame:
-    """One frame of a live session, as received; the image is decoded on the denoising thread."""
+    """One frame of a live session, as received; its image's header was checked when it arrived
+    (sessions.frame_of), its pixels are decoded on the denoising thread."""
 
     session_id: str
     seq: int
@@ -66,7 +70,7 @@ class Frame:
     params: SessionParams
     prompt: str
     strength: float
-    image: str  # bare base64 PNG or JPEG
+    image: bytes  # PNG, JPEG or WebP bytes whose header declared at most MAX_IMAGE_PIXELS
     received: float = 0.0
 
 
@@ -204,12 +208,16 @@ class FrameRunner:
 
     `post` gets each frame_result message (from the encoder thread). `busy_seconds` adds up the
     time spent in pipeline calls, so a job that frames ran inside can leave it out of its gpu_ms.
+    `runs` holds the latest `keep_runs` batches (a worker runs for days).
     """
 
     def __init__(self, pipelines: Mapping[str, FramePipeline], max_batch: Mapping[str, int], post: PostFrame, *,
-                 encode: Callable[[Image], str] = encode_jpeg_b64, clock: Callable[[], float] = time.monotonic):
+                 encode: Callable[[Image], str] = encode_jpeg_b64, clock: Callable[[], float] = time.monotonic,
+                 max_image_pixels: int = MAX_IMAGE_PIXELS, keep_runs: int = KEPT_RUNS):
         self.queue = FrameQueue()
-        self.runs: list[tuple[float, int]] = []  # (clock at start, batch size) of every batch run, in order
+        # (clock at start, batch size) of the latest batches run, in order
+        self.runs: collections.deque[tuple[float, int]] = collections.deque(maxlen=keep_runs)
+        self.max_image_pixels = max_image_pixels
         self.busy_seconds = 0.0
         self._pipelines = pipelines
         self._max_batch = dict(max_batch)
@@ -252,14 +260,24 @@ class FrameRunner:
         window = gather_window(self._last_call_seconds, self._max_batch)
         if window <= 0:
             return 0.0
+        active = self._active_sessions(now, window)
+        return gather_wait(now=now, pending={f.session_id for f in pending}, active=active,
+                           first_received=min(f.received for f in pending), last_end=self._last_end,
+                           window=window)
+
+    def _active_sessions(self, now: float, window: float) -> set[str]:
+        """The sessions that drew lately; the others are forgotten (so the table stays small)."""
         horizon = ACTIVE_FRAMES * (self._last_call_seconds + window)
         last_ran = self._last_ran.copy()  # one atomic copy: drop_session runs on the event loop
         active = active_sessions(last_ran, now=now, horizon=horizon)
         for session_id in set(last_ran) - active:  # forget sessions that stopped drawing
             self._last_ran.pop(session_id, None)
-        return gather_wait(now=now, pending={f.session_id for f in pending}, active=active,
-                           first_received=min(f.received for f in pending), last_end=self._last_end,
-                           window=window)
+        return active
+
+    def forget_sessions(self) -> None:
+        """The connection dropped: every session is gone, and so is every pending frame."""
+        self._last_ran.clear()
+        self.queue.clear()
 
     def drop_session(self, session_id: str) -> None:
         """The session ended: drop its pending frame, and wait for it no more."""
@@ -270,7 +288,7 @@ class FrameRunner:
         decoded: list[tuple[Frame, Image]] = []
         for frame in batch:
             try:
-                decoded.append((frame, decode_image(frame.image)))
+                decoded.append((frame, open_image(frame.image, max_pixels=self.max_image_pixels, what="frame image")))
             except InvalidParams as exc:
                 log.warning("session %s: frame %s dropped: %s", frame.session_id, frame.seq, exc)
         pipeline = self._pipelines.get(batch[0].model_id)
@@ -297,6 +315,8 @@ class FrameRunner:
         self._last_end, self._last_call_seconds = ended, elapsed
         for frame, _ in decoded:
             self._last_ran[frame.session_id] = ended
+        # A session that ended while its batch ran is back in the table: forget the idle ones.
+        self._active_sessions(ended, gather_window(elapsed, self._max_batch))
         try:
             self._encoder.submit(self._send, [f for f, _ in decoded], images, gpu_ms)
         except RuntimeError:  # the encoder was shut down: the worker is stopping

@@ -93,15 +93,31 @@ class HeldJob:
     model_id: str
     params: Any
     timing: JobTiming
+    answer_cancel: bool = False  # the cancel came from a v2 API: it is owed job_failed "cancelled"
     _cancelled: threading.Event = field(default_factory=threading.Event)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _begun: bool = False
 
     @property
     def cancelled(self) -> bool:
         return self._cancelled.is_set()
 
-    def cancel(self) -> None:
-        self._cancelled.set()
-        self.timing.outcome = "cancelled"
+    def cancel(self, *, answer: bool = False) -> bool:
+        """Ask the job to stop. True when it had not begun: it never will, so whoever cancels lets
+        it go now; False: the denoising thread lets it go at its next step boundary."""
+        with self._lock:
+            self.answer_cancel = answer
+            self._cancelled.set()
+            self.timing.outcome = "cancelled"
+            return not self._begun
+
+    def begin(self) -> bool:
+        """On the denoising thread, before the job's first step: False when it was cancelled first."""
+        with self._lock:
+            if self._cancelled.is_set():
+                return False
+            self._begun = True
+            return True
 
 
 def encode_png_b64(images: Sequence[Image]) -> list[str]:
@@ -122,7 +138,7 @@ def short_error(exc: BaseException) -> str:
 
 _WAKE = object()  # queued by wake(): frames are waiting
 Post = Callable[[dict[str, Any], "HeldJob | None"], None]
-Release = Callable[[HeldJob], None]
+Release = Callable[[HeldJob], None]  # a job stopped without a result (cancelled, or the worker stopping)
 Encode = Callable[[Sequence["Image"]], list[str]]
 Demote = Callable[[str, str], None]  # (model_id, rung): move the model down, on the denoising thread
 
@@ -189,8 +205,7 @@ class DenoiseLoop:
             self._run_frames()  # frames first: they are waited for by someone drawing
             if not isinstance(job, HeldJob):
                 continue
-            if job.cancelled:
-                self._release(job)
+            if not job.begin():  # cancelled while it waited: whoever cancelled it let it go
                 continue
             try:
                 self._denoise(job)

@@ -11,6 +11,7 @@ from potocolom.protocol.rungs import MODE_AUTO
 from workers.gpu.footprints import pipeline_footprint
 from workers.gpu.installed import InstalledModel
 from workers.gpu.ladder import Placed, RungChoice, mib, place_next
+from workers.gpu.limits import Limits
 from workers.gpu.pipelines import DiffusersPipeline, Fault, offload_dir_for, read_modules
 from workers.gpu.vram import VramBudget, available_ram_bytes, give_back_device_memory
 
@@ -27,16 +28,21 @@ class Loaded:
 
 
 def load_pipelines(models: list[InstalledModel], device: str, *, mode: str = MODE_AUTO,
-                   budget: VramBudget | None = None, fault: Fault | None = None) -> Loaded:
-    """Every model that fits, placed on its rung; raises PipelineLoadError for one that cannot be read."""
+                   budget: VramBudget | None = None, fault: Fault | None = None,
+                   limits: Limits | None = None) -> Loaded:
+    """Every model that fits, placed on its rung; raises PipelineLoadError for one that cannot be read.
+    Footprints cover the largest size each model allows (`limits.max_image_side` where its schema
+    sets no maximum), and the pipelines refuse anything larger."""
     budget = budget or VramBudget(device)
+    limits = limits or Limits.from_env()
     loaded = Loaded()
     placed = Placed()
     for model in models:
         started = time.perf_counter()
         log.info("loading %s (%s) from %s for %s", model.model_id, model.pipeline, model.source, device)
         modules = read_modules(model, device)
-        footprint = pipeline_footprint(model.model_id, modules.pipe, model.params_schema)
+        footprint = pipeline_footprint(model.model_id, modules.pipe, model.params_schema,
+                                       max_side=limits.max_image_side)
         ram = available_ram_bytes()
         # The weights just read sit in RAM already: they are what offloaded groups would keep there.
         ram_free = None if ram is None else ram + footprint.weights_bytes - placed.host_bytes
@@ -55,7 +61,8 @@ def load_pipelines(models: list[InstalledModel], device: str, *, mode: str = MOD
             continue
         offload_dir = offload_dir_for(model.model_id, choice.offload_to_disk)
         loaded.pipelines[model.model_id] = DiffusersPipeline.placed(
-            model, modules, device, choice.rung, offload_dir=offload_dir, fault=fault, footprint=footprint)
+            model, modules, device, choice.rung, offload_dir=offload_dir, fault=fault, footprint=footprint,
+            limits=limits)
         budget.hold(footprint.resident_bytes(choice.rung))
         log.info("model %s on %s: %s (weights %s, working %s); placed in %.1f s%s", model.model_id, device,
                  choice.reason, mib(footprint.weights_bytes), mib(footprint.working_bytes),

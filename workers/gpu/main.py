@@ -15,6 +15,7 @@ from potocolom.protocol.rungs import MEMORY_MODES, RUNG_FULL
 from workers.gpu.client import WorkerClient
 from workers.gpu.connection import WorkerConfig
 from workers.gpu.installed import UnknownModelError, discover_models
+from workers.gpu.limits import Limits
 from workers.gpu.loading import load_pipelines
 from workers.gpu.pipelines import InjectedOutOfMemory, PipelineLoadError
 from workers.gpu.slots import describe, measure_capacity
@@ -24,7 +25,7 @@ log = logging.getLogger(__name__)
 
 
 class WorkerStartError(RuntimeError):
-    """The worker cannot start: bad options, no models, or a model that does not load."""
+    """The worker cannot start: bad options, no models installed, or a model that does not load."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class WorkerOptions:
     frame_budget_ms: float = 500.0  # FRAME_BUDGET_MS: the per-frame p95 that realtime slots are sized to
     realtime: bool = True  # False (--no-realtime): measure nothing, serve no sessions
     max_batch: int | None = None  # --max-batch: at most this many frames per pipeline call (1: batching off)
+    limits: Limits | None = None  # MAX_IMAGE_PIXELS, MAX_IMAGE_SIDE, MAX_STEPS (None: from the environment)
 
 
 def default_device() -> str:
@@ -99,14 +101,17 @@ def build_client(options: WorkerOptions) -> Any:
         torch.zeros(1, device=device)  # the CUDA context first, so the free figure already counts it
     budget = VramBudget(device, options.vram_mib)
     try:
+        limits = options.limits or Limits.from_env()
         fault = InjectedOutOfMemory.from_env()  # a test seam: None unless POTOCOLOM_TEST_OOM is set
-        loaded = load_pipelines(models, device, mode=options.memory_mode, budget=budget, fault=fault)
+        loaded = load_pipelines(models, device, mode=options.memory_mode, budget=budget, fault=fault, limits=limits)
     except (PipelineLoadError, ValueError) as exc:
         raise WorkerStartError(str(exc)) from exc
     pipelines = loaded.pipelines
     if not pipelines:
+        # It stays connected with nothing to serve (an empty models list): the operator sees it in
+        # the API, and a restart with more memory or smaller models is all it takes.
         reasons = "; ".join(f"{model_id}: {why}" for model_id, why in loaded.refused.items())
-        raise WorkerStartError(f"no model fits this worker's memory ({reasons})")
+        log.error("no model fits this worker's memory (%s); connecting with none to serve", reasons)
     realtime = measure_realtime(pipelines, options.frame_budget_ms) if options.realtime else {}
     worker_id = options.worker_id or default_worker_id(device)
 
@@ -118,11 +123,11 @@ def build_client(options: WorkerOptions) -> Any:
     try:
         config = WorkerConfig(api_url=options.api, token=options.token, worker_id=worker_id, gpu=current_gpu())
         client = WorkerClient(config, pipelines, realtime=realtime, memory_mode=options.memory_mode,
-                              gpu_info=current_gpu)
+                              gpu_info=current_gpu, limits=limits)
     except ValueError as exc:
         raise WorkerStartError(str(exc)) from exc
     client.frames.cap_batches(options.max_batch)
-    rungs = ", ".join(f"{model_id} ({pipeline.rung})" for model_id, pipeline in pipelines.items())
+    rungs = ", ".join(f"{model_id} ({pipeline.rung})" for model_id, pipeline in pipelines.items()) or "no model"
     log.info("worker %s serves %s on %s, MEMORY_MODE %s, VRAM budget %s", worker_id, rungs, device,
              options.memory_mode, f"{options.vram_mib} MiB" if options.vram_mib is not None else "not set")
     if loaded.refused:

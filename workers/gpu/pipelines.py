@@ -3,8 +3,6 @@ params into a checked request or fails loudly, `generate` runs numbered steps wi
 interruption in the step callback, and `_call` is the one seam where out-of-memory is caught."""
 from __future__ import annotations
 
-import base64
-import binascii
 import io
 import logging
 import os
@@ -16,10 +14,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from potocolom.protocol.browser import DEFAULT_STRENGTH
+from potocolom.protocol.images import FORMATS, ImageRefused, checked_image
 from potocolom.protocol.rungs import RUNG_FULL, RUNG_GROUP_OFFLOAD
 from workers.gpu.footprints import default_size
 from workers.gpu.installed import InstalledModel
 from workers.gpu.ladder import Footprint, group_offload_to_disk
+from workers.gpu.limits import Limits, allowed_maximum
 from workers.gpu.placement import (  # noqa: F401  (re-exported: the adapter's public names)
     Modules,
     PipelineLoadError,
@@ -39,7 +39,6 @@ log = logging.getLogger(__name__)
 DEFAULT_STEPS = 20
 DEFAULT_GUIDANCE_SCALE = 7.5
 MAX_SEED = 2**32 - 1
-MAX_STEPS = 1000  # the scheduler's training steps; a model's params_schema narrows this
 SIZE_MULTIPLE = 8  # diffusers' Stable Diffusion pipelines reject sizes that are not multiples of 8
 TEST_OOM_ENV = "POTOCOLOM_TEST_OOM"  # test only: see InjectedOutOfMemory
 _MESSAGE_CHARS = 300  # error messages travel in job_failed; an echoed init_image must not
@@ -54,7 +53,12 @@ class InvalidParams(ValueError):
 
 
 class JobCancelled(Exception):
-    """The job was interrupted on request; nothing is to be sent for it."""
+    """The job was interrupted on request, at a step boundary, before its image was decoded."""
+
+
+class _StopAtStep(Exception):
+    """Raised from the step callback to leave the diffusers call at once: `pipe._interrupt` only
+    skips the remaining steps, and the VAE would still decode (seconds at 512x512 on a GPU)."""
 
 
 class OutOfMemory(RuntimeError):
@@ -125,20 +129,38 @@ def _text(params: dict[str, Any], key: str, *, required: bool) -> str | None:
     return value
 
 
-def decode_image(value: Any) -> Image:
-    """An RGB PIL image from base64 (PNG, JPEG...) with or without a `data:` URL prefix."""
+def checked_image_bytes(value: Any, *, max_pixels: int, what: str = "init_image") -> bytes:
+    """The bytes of a base64 (or `data:` URL) PNG, JPEG or WebP declaring at most `max_pixels`
+    pixels, checked from its header alone (a bomb is refused in microseconds); InvalidParams else."""
+    if not isinstance(value, str):
+        raise InvalidParams(f"{what} must be a base64 string, got {type(value).__name__}")
+    try:
+        data, _ = checked_image(value, max_pixels=max_pixels)
+    except ImageRefused as exc:
+        raise InvalidParams(f"{what}: {exc}") from None
+    return data
+
+
+def open_image(data: bytes, *, max_pixels: int, what: str = "init_image") -> Image:
+    """Decode checked bytes (checked_image_bytes) to an RGB PIL image, PNG, JPEG or WebP only."""
     from PIL import Image as PILImage
     from PIL import UnidentifiedImageError
 
-    if not isinstance(value, str):
-        raise InvalidParams(f"init_image must be a base64 string, got {type(value).__name__}")
-    payload = value.partition(",")[2] if value.startswith("data:") else value
     try:
-        data = base64.b64decode(payload, validate=True)
-        with PILImage.open(io.BytesIO(data)) as opened:
-            return opened.convert("RGB")
-    except (binascii.Error, ValueError, UnidentifiedImageError, OSError) as exc:
-        raise InvalidParams(f"init_image is not a base64 image: {_short(str(exc))}") from None
+        with PILImage.open(io.BytesIO(data), formats=list(FORMATS)) as opened:
+            pixels = opened.width * opened.height
+            if pixels <= max_pixels:  # checked already: never decode a bomb, whoever calls this
+                return opened.convert("RGB")
+    except (ValueError, UnidentifiedImageError, OSError, PILImage.DecompressionBombError) as exc:
+        raise InvalidParams(f"{what} is not a readable image: {_short(str(exc))}") from None
+    raise InvalidParams(f"{what}: the image declares {pixels} pixels, more than {max_pixels}")
+
+
+def decode_image(value: Any, *, max_pixels: int, what: str = "init_image") -> Image:
+    """An RGB PIL image from base64 (PNG, JPEG or WebP) with or without a `data:` URL prefix,
+    refused from its header when it declares more than `max_pixels` pixels."""
+    return open_image(checked_image_bytes(value, max_pixels=max_pixels, what=what), max_pixels=max_pixels,
+                      what=what)
 
 
 def check_schema(schema: dict[str, Any], params: Any) -> None:
@@ -196,13 +218,15 @@ class InjectedOutOfMemory:
 class DiffusersPipeline:
     """A loaded Stable-Diffusion-style pipeline (txt2img, plus img2img sharing its modules) on a rung.
 
-    `fault` is a test seam (see InjectedOutOfMemory); `footprint` what the memory ladder measured.
+    `fault` is a test seam (see InjectedOutOfMemory); `footprint` what the memory ladder measured;
+    `limits` the worker's caps on images, sizes and steps (limits.py; default: the environment's).
     """
 
     def __init__(self, model: InstalledModel, pipe: Any, img2img: Any | None, device: str, rung: str,
                  frames: Any | None = None, *, fault: Fault | None = None, footprint: Footprint | None = None,
-                 offload_dir: str | None = None):
+                 offload_dir: str | None = None, limits: Limits | None = None):
         self.model = model
+        self.limits = limits or Limits.from_env()
         self.pipe = pipe
         self.img2img = img2img
         self.frames = frames  # img2img for realtime frames, with its own scheduler (see generate_frames)
@@ -217,19 +241,20 @@ class DiffusersPipeline:
 
     @classmethod
     def load(cls, model: InstalledModel, device: str, rung: str = RUNG_FULL, *, offload_dir: str | None = None,
-             fault: Fault | None = None, footprint: Footprint | None = None) -> DiffusersPipeline:
+             fault: Fault | None = None, footprint: Footprint | None = None,
+             limits: Limits | None = None) -> DiffusersPipeline:
         """Read the model from its source and place it on `rung` on `device`."""
         return cls.placed(model, read_modules(model, device), device, rung, offload_dir=offload_dir, fault=fault,
-                          footprint=footprint)
+                          footprint=footprint, limits=limits)
 
     @classmethod
     def placed(cls, model: InstalledModel, modules: Modules, device: str, rung: str, *,
                offload_dir: str | None = None, fault: Fault | None = None,
-               footprint: Footprint | None = None) -> DiffusersPipeline:
+               footprint: Footprint | None = None, limits: Limits | None = None) -> DiffusersPipeline:
         """Place modules already read (read_modules) on `rung`."""
         place(modules.pipes, device, rung, offload_dir=offload_dir)
         return cls(model, modules.pipe, modules.img2img, device, rung, modules.frames, fault=fault,
-                   footprint=footprint, offload_dir=offload_dir)
+                   footprint=footprint, offload_dir=offload_dir, limits=limits)
 
     def release(self) -> None:
         """Drop this model's modules and give their device memory back (the other models stay)."""
@@ -287,12 +312,18 @@ class DiffusersPipeline:
         prompt = _text(params, "prompt", required=True)
         assert prompt is not None
         negative_prompt = _text(params, "negative_prompt", required=False)
-        width = _integer(params, "width", self.default_size, SIZE_MULTIPLE, 8192)
-        height = _integer(params, "height", self.default_size, SIZE_MULTIPLE, 8192)
+        # Where the schema sets no maximum, MAX_IMAGE_SIDE and MAX_STEPS do: the memory ladder
+        # placed the model for the largest size allowed, so nothing larger may run.
+        schema, limits = self.model.params_schema, self.limits
+        width = _integer(params, "width", self.default_size, SIZE_MULTIPLE,
+                         allowed_maximum(schema, "width", limits.max_image_side))
+        height = _integer(params, "height", self.default_size, SIZE_MULTIPLE,
+                          allowed_maximum(schema, "height", limits.max_image_side))
         for key, size in (("width", width), ("height", height)):
             if size % SIZE_MULTIPLE:
                 raise InvalidParams(f"{key} must be a multiple of {SIZE_MULTIPLE}, got {size}")
-        steps = _integer(params, "steps", DEFAULT_STEPS, 1, MAX_STEPS)
+        steps = _integer(params, "steps", min(DEFAULT_STEPS, allowed_maximum(schema, "steps", limits.max_steps)), 1,
+                         allowed_maximum(schema, "steps", limits.max_steps))
         guidance_scale = _number(params, "guidance_scale", DEFAULT_GUIDANCE_SCALE, 0.0, None)
         seed = _integer(params, "seed", random.randint(0, MAX_SEED), 0, MAX_SEED)
         strength = _number(params, "strength", DEFAULT_STRENGTH, 0.0, 1.0)
@@ -302,7 +333,7 @@ class DiffusersPipeline:
                 raise InvalidParams(f"model {self.model.model_id} does not do img2img (init_image given)")
             if int(steps * strength) < 1:
                 raise InvalidParams(f"img2img runs int(steps x strength) steps: {steps} x {strength} is none")
-            init_image = decode_image(params["init_image"])
+            init_image = decode_image(params["init_image"], max_pixels=self.limits.max_image_pixels)
             if init_image.size != (width, height):
                 init_image = init_image.resize((width, height), resample=3)  # 3: bicubic
         return GenerationRequest(prompt=prompt, negative_prompt=negative_prompt, width=width, height=height,
@@ -329,7 +360,8 @@ class DiffusersPipeline:
         The step callback changes nothing in the latents, so the pixels are the same.
 
         on_step(step, steps) is called after each denoising step (1-based); when should_stop()
-        turns true the pipeline is interrupted and JobCancelled is raised.
+        turns true the call is left at that step boundary (raising out of the step callback, so the
+        VAE never decodes) and JobCancelled is raised.
         """
         import torch
 
@@ -337,30 +369,33 @@ class DiffusersPipeline:
         request = self.check_inputs(params)
         # 2. A CPU generator: the same seed gives the same noise on any device.
         generator = torch.Generator("cpu").manual_seed(request.seed)
-        interrupted = False
 
-        # 3. Report each step, and interrupt between steps when asked to stop.
+        # 3. Report each step, and leave the call at the step boundary when asked to stop.
         def step_end(pipe: Any, index: int, timestep: Any, callback_kwargs: dict[str, Any]) -> dict[str, Any]:
-            nonlocal interrupted
+            if should_stop is not None and should_stop():
+                raise _StopAtStep()
             if on_step is not None:
                 on_step(index + 1, int(pipe.num_timesteps))
             if should_stop is not None and should_stop():
-                interrupted = True
-                pipe._interrupt = True  # the pipeline skips the remaining steps
+                raise _StopAtStep()  # asked while on_step ran (frames between steps, a cancel)
             return callback_kwargs
 
         common = {"prompt": request.prompt, "negative_prompt": request.negative_prompt,
                   "num_inference_steps": request.steps, "guidance_scale": request.guidance_scale,
                   "generator": generator, "callback_on_step_end": step_end}
-        # 4. Denoise: txt2img without an init image, img2img with one.
-        if request.init_image is None:
-            output = self._call(self.pipe, height=request.height, width=request.width, **common)
-        else:
-            output = self._call(self.img2img, image=request.init_image, strength=request.strength, **common)
-        # 5. An interrupted job has no result.
-        if interrupted:
-            raise JobCancelled()
-        # 6. Exactly the requested size (the VAE's output already is, for sizes the checks allow).
+        # 4. Denoise: txt2img without an init image, img2img with one. An interrupted job has no
+        #    result: nothing is decoded, and the offload hooks are put back as a finished call would.
+        pipe = self.pipe if request.init_image is None else self.img2img
+        try:
+            if request.init_image is None:
+                output = self._call(pipe, height=request.height, width=request.width, **common)
+            else:
+                output = self._call(pipe, image=request.init_image, strength=request.strength, **common)
+        except _StopAtStep:
+            if pipe is not None:
+                pipe.maybe_free_model_hooks()
+            raise JobCancelled() from None
+        # 5. Exactly the requested size (the VAE's output already is, for sizes the checks allow).
         size = (request.width, request.height)
         return [image if image.size == size else image.resize(size, resample=3) for image in output.images]
 

@@ -13,7 +13,8 @@ from potocolom.protocol.browser import frame_params
 from potocolom.protocol.rungs import RUNG_FULL
 from potocolom.protocol.worker import FrameOrder, ModelEntry, SessionAccepted, SessionRefused
 from workers.gpu.frames import Frame, FramePipeline, FrameRunner, SessionParams
-from workers.gpu.pipelines import DEFAULT_GUIDANCE_SCALE, MAX_SEED, InvalidParams
+from workers.gpu.limits import MAX_IMAGE_PIXELS
+from workers.gpu.pipelines import DEFAULT_GUIDANCE_SCALE, MAX_SEED, InvalidParams, checked_image_bytes
 from workers.gpu.slots import RealtimeCapacity
 
 log = logging.getLogger(__name__)
@@ -84,12 +85,15 @@ def session_params(raw: Any, capacity: RealtimeCapacity, pipeline: FramePipeline
                          guidance_scale=request.guidance_scale, seed=request.seed)
 
 
-def frame_of(message: FrameOrder, session: LiveSession, received: float) -> Frame:
-    """A frame message as a Frame of its session; MessageError for params off the contract."""
+def frame_of(message: FrameOrder, session: LiveSession, received: float, *,
+             max_image_pixels: int = MAX_IMAGE_PIXELS) -> Frame:
+    """A frame message as a Frame of its session; MessageError for params off the contract,
+    InvalidParams for an image that is not PNG, JPEG or WebP or declares more than
+    `max_image_pixels` pixels (read from its header: microseconds, nothing decoded)."""
     params = frame_params(message.params)
+    image = checked_image_bytes(message.image, max_pixels=max_image_pixels, what="frame image")
     return Frame(session_id=session.session_id, seq=message.seq, model_id=session.model_id, params=session.params,
-                 prompt=params.prompt[:PROMPT_CHARS], strength=params.strength, image=message.image,
-                 received=received)
+                 prompt=params.prompt[:PROMPT_CHARS], strength=params.strength, image=image, received=received)
 
 
 class SessionDesk:
@@ -179,12 +183,17 @@ class SessionDesk:
         if session is None:
             log.debug("ignoring a frame of session %s, which is not live here", message.session_id)
             return
-        if self._runner.queue.put(frame_of(message, session, self._clock())):
+        try:
+            frame = frame_of(message, session, self._clock(), max_image_pixels=self._runner.max_image_pixels)
+        except InvalidParams as exc:  # refused here, on the event loop: the denoising thread never sees it
+            log.warning("session %s: frame %s dropped: %s", message.session_id, message.seq, exc)
+            return
+        if self._runner.queue.put(frame):
             self._wake()
 
     def clear(self) -> None:
         """The connection dropped: the API sends these sessions back to its queue."""
         dropped = self.table.clear()
-        self._runner.queue.clear()
+        self._runner.forget_sessions()
         if dropped:
             log.info("connection lost: %d realtime session(s) dropped", len(dropped))

@@ -2,7 +2,10 @@
 
 A `websockets` server on 127.0.0.1 that keeps its port across stop() and start() (an API restart),
 answers every hello with a welcome, and files every message of every connection in arrival order.
-Waiting is event-driven: `next_message` wakes on each message filed, it never polls or sleeps.
+With `protocol=2` it speaks v2: its welcome says so and (with `auto_ack`) it answers every job_result
+and job_failed with job_ack. With `token` it checks the handshake's `Authorization: Token T`
+header and closes with 4001 on anything else. Waiting is event-driven: `next_message` wakes on each
+message filed, it never polls or sleeps.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from websockets.exceptions import ConnectionClosed
 
 WAIT_SECONDS = 30.0
 WELCOME_SENT = "_welcome_sent"  # a marker filed among the messages when a welcome goes out
+FINAL_TYPES = ("job_result", "job_failed")
 BARRIER_MODEL = "barrier-model-served-nowhere"
 
 
@@ -23,12 +27,17 @@ class FakeApi:
     """The API's side of /ws/worker/; with refuse_token it accepts, then closes with 4001."""
 
     def __init__(self, *, heartbeat_seconds: float = 10.0, refuse_token: bool = False,
-                 unknown_models: list[str] | None = None):
+                 unknown_models: list[str] | None = None, protocol: int | None = None, auto_ack: bool = True,
+                 token: str | None = None):
         self.heartbeat_seconds = heartbeat_seconds
         self.refuse_token = refuse_token
         self.unknown_models = unknown_models or []
+        self.protocol = protocol  # None: a v1 API (its welcome has no protocol)
+        self.auto_ack = auto_ack  # v2: answer each final message with job_ack
+        self.token = token
         self.port = 0
         self.paths: list[str] = []
+        self.authorizations: list[str | None] = []  # each handshake's Authorization header
         self.received: list[dict[str, Any]] = []  # each with "_connection": 1, 2, ...
         self._taken: set[int] = set()
         self._changed = asyncio.Condition()
@@ -64,6 +73,7 @@ class FakeApi:
 
     def _record_path(self, connection: ServerConnection, request: Any) -> None:
         self.paths.append(request.path)
+        self.authorizations.append(request.headers.get("Authorization"))
 
     async def _file(self, message: dict[str, Any]) -> None:
         async with self._changed:
@@ -73,7 +83,8 @@ class FakeApi:
     async def _serve(self, connection: ServerConnection) -> None:
         self._count += 1
         number = self._count
-        if self.refuse_token:
+        authorization = connection.request.headers.get("Authorization") if connection.request else None
+        if self.refuse_token or (self.token is not None and authorization != f"Token {self.token}"):
             await connection.close(4001, "bad token")
             return
         self._connections.append(connection)
@@ -83,10 +94,14 @@ class FakeApi:
                 message["_connection"] = number
                 await self._file(message)
                 if message.get("type") == "hello":
-                    await connection.send(json.dumps({
-                        "type": "welcome", "unknown_models": self.unknown_models,
-                        "heartbeat_seconds": self.heartbeat_seconds, "frame_budget_ms": 500}))
+                    welcome = {"type": "welcome", "unknown_models": self.unknown_models,
+                               "heartbeat_seconds": self.heartbeat_seconds, "frame_budget_ms": 500}
+                    if self.protocol is not None:
+                        welcome["protocol"] = self.protocol
+                    await connection.send(json.dumps(welcome))
                     await self._file({"type": WELCOME_SENT, "_connection": number})
+                elif message.get("type") in FINAL_TYPES and self.protocol == 2 and self.auto_ack:
+                    await connection.send(json.dumps({"type": "job_ack", "job_id": message["job_id"]}))
         except ConnectionClosed:
             pass
         finally:
@@ -151,6 +166,10 @@ class FakeApi:
     def frames_of(self, session_id: str) -> list[dict[str, Any]]:
         """Every frame_result received for a session, in order."""
         return [m for m in self.received if m.get("type") == "frame_result" and m.get("session_id") == session_id]
+
+    async def ack(self, job_id: str) -> None:
+        """Acknowledge a job's final message (for a fake made with auto_ack=False)."""
+        await self.send({"type": "job_ack", "job_id": job_id})
 
     def about(self, job_id: str) -> list[dict[str, Any]]:
         """Every message received about a job, in order."""

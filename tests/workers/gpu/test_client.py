@@ -59,7 +59,8 @@ def test_it_says_hello_then_runs_a_job_to_a_png_of_the_requested_size(tiny_pipel
                 job_id = await fake.job({**SMALL_JOB, "width": 128})
                 result = await fake.next_message("job_result", job_id=job_id)
 
-            assert fake.paths == ["/ws/worker/?token=secret"]
+            assert fake.paths == ["/ws/worker/"]  # no token in the URL: it travels in a header
+            assert fake.authorizations == ["Token secret"]
             assert hello["worker_id"] == "test-host:0" and hello["gpu"] is None
             assert hello["models"] == [{"model_id": "tiny-sd", "rung": "full", "realtime": False,
                                         "frame_ms_p95": None, "realtime_slots": 0}]
@@ -278,18 +279,31 @@ def test_it_exits_with_a_clear_error_when_the_token_is_refused(tiny_pipeline: An
 
 
 @pytest.mark.parametrize(("api", "url"), [
-    ("ws://127.0.0.1:8000", "ws://127.0.0.1:8000/ws/worker/?token=t%2Fk"),
-    ("ws://host:1/", "ws://host:1/ws/worker/?token=t%2Fk"),
-    ("http://host:1", "ws://host:1/ws/worker/?token=t%2Fk"),
-    ("wss://host/ws/worker/", "wss://host/ws/worker/?token=t%2Fk"),
+    ("ws://127.0.0.1:8000", "ws://127.0.0.1:8000/ws/worker/"),
+    ("ws://host:1/", "ws://host:1/ws/worker/"),
+    ("http://host:1", "ws://host:1/ws/worker/"),
+    ("wss://host/ws/worker/", "wss://host/ws/worker/"),
 ])
 def test_it_builds_the_worker_socket_address(api: str, url: str) -> None:
-    assert worker_socket_url(api, "t/k") == url
+    assert worker_socket_url(api) == url
 
 
 def test_it_refuses_an_api_address_that_is_not_a_websocket() -> None:
     with pytest.raises(ValueError, match="ws://HOST:PORT"):
-        worker_socket_url("127.0.0.1:8000", "t")
+        worker_socket_url("127.0.0.1:8000")
+    with pytest.raises(ValueError, match="no query string"):
+        worker_socket_url("ws://host:1/?token=t")
+
+
+def test_it_sends_the_token_in_the_authorization_header_a_checking_api_accepts(tiny_pipeline: Any) -> None:
+    async def body() -> None:
+        async with FakeApi(token="s3cret") as fake:
+            config = WorkerConfig(api_url=fake.url, token="s3cret", worker_id="test-host:0")
+            async with running(WorkerClient(config, {"tiny-sd": tiny_pipeline})):
+                await fake.next_message("hello")
+            assert fake.authorizations == ["Token s3cret"] and fake.paths == ["/ws/worker/"]
+
+    run_async(body())
 
 
 def test_it_backs_off_exponentially_with_jitter_up_to_ten_seconds() -> None:

@@ -10,6 +10,8 @@ import signal
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.workers.gpu.fake_api import FakeApi
 from tests.workers.gpu.support import TEST_SECONDS, run_async
 from tests.workers.gpu.test_frames import png_b64
@@ -24,15 +26,25 @@ def command_env() -> dict[str, str]:
     return env
 
 
-async def manage(*args: str) -> asyncio.subprocess.Process:
+async def manage(*args: str, env: dict[str, str] | None = None) -> asyncio.subprocess.Process:
     return await asyncio.create_subprocess_exec(
-        sys.executable, "manage.py", *args, cwd=PROJECT_DIR, env=command_env(),
+        sys.executable, "manage.py", *args, cwd=PROJECT_DIR, env={**command_env(), **(env or {})},
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
 
 
-def worker_args(fake: FakeApi, models_dir: Path, token: str) -> list[str]:
-    return ["runworker_gpu", "--api", fake.url, "--token", token, "--device", "cpu", "--models-dir",
-            str(models_dir), "--threads", "1", "--worker-id", "command-test:0", "--memory-mode", "full"]
+def worker_args(fake: FakeApi, models_dir: Path, token: str | None) -> list[str]:
+    """runworker_gpu's flags for a test; token None: no --token (a file or WORKER_TOKEN gives it)."""
+    return ["runworker_gpu", "--api", fake.url, *(["--token", token] if token is not None else []), "--device",
+            "cpu", "--models-dir", str(models_dir), "--threads", "1", "--worker-id", "command-test:0",
+            "--memory-mode", "full"]
+
+
+async def stop(process: asyncio.subprocess.Process) -> str:
+    """SIGTERM, then the exit and stderr (asserted to be a clean exit)."""
+    process.send_signal(signal.SIGTERM)
+    _, stderr = await asyncio.wait_for(process.communicate(), TEST_SECONDS)
+    assert process.returncode == 0, stderr.decode()[-2000:]
+    return stderr.decode()
 
 
 def test_it_prints_the_manifest_path_last(tmp_path: Path) -> None:
@@ -135,16 +147,62 @@ def test_it_exits_with_an_error_for_a_model_that_is_not_installed(models_dir: Pa
     run_async(body())
 
 
-def test_it_exits_with_the_reason_when_no_model_fits_its_vram_budget(models_dir: Path) -> None:
+def test_it_stays_connected_with_no_models_when_none_fits_its_vram_budget(models_dir: Path) -> None:
     async def body() -> None:
-        process = await manage("runworker_gpu", "--api", "ws://127.0.0.1:9", "--token", "t", "--device", "cpu",
-                               "--models-dir", str(models_dir), "--vram-mib", "16", "--threads", "1")
-        _, stderr = await asyncio.wait_for(process.communicate(), TEST_SECONDS)
+        async with FakeApi(token="from-env", heartbeat_seconds=0.2) as fake:
+            process = await manage(*worker_args(fake, models_dir, None), "--memory-mode", "auto",
+                                   "--vram-mib", "16", env={"WORKER_TOKEN": "from-env"})
+            try:
+                hello = await fake.next_message("hello", timeout=TEST_SECONDS)
+                await fake.next_message("heartbeat")
+                await fake.next_message("heartbeat")  # still there, a period later
+            finally:
+                text = await stop(process)
 
-        text = stderr.decode()
-        assert process.returncode != 0
+        assert hello["models"] == [] and hello["protocol"] == 2
+        assert fake.authorizations == ["Token from-env"]  # WORKER_TOKEN, in the header
         assert "model tiny-sd is not served: it fits on no rung: 16 MiB free; full needs" in text
         assert "no model fits this worker's memory (tiny-sd: fits on no rung" in text
+
+    run_async(body())
+
+
+def test_it_reads_its_token_from_a_file_before_worker_token(models_dir: Path, tmp_path: Path) -> None:
+    token_file = tmp_path / "worker-token"
+    token_file.write_text("from-file\n", encoding="utf-8")
+
+    async def body() -> None:
+        async with FakeApi(token="from-file") as fake:
+            process = await manage(*worker_args(fake, models_dir, None), "--no-realtime", "--token-file",
+                                   str(token_file), env={"WORKER_TOKEN": "not-this-one"})
+            try:
+                hello = await fake.next_message("hello", timeout=TEST_SECONDS)
+            finally:
+                await stop(process)
+
+        assert [m["model_id"] for m in hello["models"]] == ["tiny-sd"]
+        assert fake.paths == ["/ws/worker/"] and fake.authorizations == ["Token from-file"]
+
+    run_async(body())
+
+
+@pytest.mark.parametrize(("token_args", "content", "error"), [
+    ([], None, "a worker token is required: --token TOKEN, --token-file PATH or WORKER_TOKEN"),
+    (["--token-file", "{dir}/missing"], None, "--token-file {dir}/missing: cannot read it"),
+    (["--token-file", "{dir}/token"], "\n", "--token-file {dir}/token is empty"),
+    (["--token", "  "], None, "--token is empty"),
+])
+def test_it_refuses_to_start_without_a_usable_token(tmp_path: Path, token_args: list[str], content: str | None,
+                                                    error: str) -> None:
+    if content is not None:
+        (tmp_path / "token").write_text(content, encoding="utf-8")
+
+    async def body() -> None:
+        process = await manage("runworker_gpu", "--api", "ws://127.0.0.1:9", "--device", "cpu",
+                               *(arg.format(dir=tmp_path) for arg in token_args))
+        _, stderr = await asyncio.wait_for(process.communicate(), TEST_SECONDS)
+
+        assert process.returncode != 0 and error.format(dir=tmp_path) in stderr.decode()
 
     run_async(body())
 

@@ -48,7 +48,8 @@ class FakeClock:
     """Time moves only when a fake batch runs: `cost(size)` milliseconds."""
 
     def __init__(self, cost: Any):
-        self.now, self.cost, self.calls = 0.0, cost, []
+        self.now, self.cost = 0.0, cost
+        self.calls: list[Any] = []
 
     def __call__(self) -> float:
         return self.now

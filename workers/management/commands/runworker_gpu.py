@@ -1,5 +1,6 @@
-"""`manage.py runworker_gpu --api ws://HOST:PORT --token T ...`: parse the flags and run the worker
-program (workers.gpu), which needs no database; torch is imported only once it starts."""
+"""`manage.py runworker_gpu --api ws://HOST:PORT --token T ...` (or `--token-file PATH`, or
+WORKER_TOKEN): parse the flags and run the worker program (workers.gpu), which needs no database;
+torch is imported only once it starts."""
 from __future__ import annotations
 
 import argparse
@@ -41,8 +42,11 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: Any) -> None:
         parser.add_argument("--api", required=True, help="the API, e.g. ws://127.0.0.1:8000")
-        parser.add_argument("--token", default=os.environ.get("WORKER_TOKEN"),
-                            help="worker token (default: $WORKER_TOKEN)")
+        parser.add_argument("--token", default=None,
+                            help="worker token (visible in the process list: prefer --token-file or $WORKER_TOKEN)")
+        parser.add_argument("--token-file", default=None,
+                            help="a file holding the worker token (a trailing newline is stripped); "
+                                 "used when --token is not given")
         parser.add_argument("--models-dir", default=os.environ.get("MODELS_DIR")
                             or getattr(settings, "MODELS_DIR", None) or str(Path(settings.BASE_DIR) / "models"),
                             help="folder of installed models, DIR/*/manifest.json (default: $MODELS_DIR or models/)")
@@ -69,13 +73,15 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         # Imported here: the worker program is not part of the API process.
-        from workers.gpu.connection import TokenRefused
+        from workers.gpu.connection import TokenRefused, resolve_token
         from workers.gpu.installed import parse_model_ids
         from workers.gpu.main import WorkerOptions, WorkerStartError, run_worker
         from workers.gpu.slots import frame_budget_ms_from_env
 
-        if not options["token"]:
-            raise CommandError("a worker token is required: --token TOKEN or WORKER_TOKEN")
+        try:  # --token, then --token-file, then WORKER_TOKEN
+            token = resolve_token(token=options["token"], token_file=options["token_file"], environ=os.environ)
+        except ValueError as exc:
+            raise CommandError(str(exc)) from exc
         budget_ms = options["frame_budget_ms"]
         if budget_ms is None:
             try:
@@ -83,7 +89,7 @@ class Command(BaseCommand):
             except ValueError as exc:
                 raise CommandError(str(exc)) from exc
         worker_options = WorkerOptions(
-            api=options["api"], token=options["token"], models_dir=Path(options["models_dir"]),
+            api=options["api"], token=token, models_dir=Path(options["models_dir"]),
             models=parse_model_ids(options["models"]), memory_mode=options["memory_mode"],
             device=options["device"], vram_mib=options["vram_mib"], worker_id=options["worker_id"],
             threads=options["threads"], frame_budget_ms=budget_ms, realtime=not options["no_realtime"],
