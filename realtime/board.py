@@ -87,6 +87,17 @@ class SessionBoard:
             found = self.routes.get(session_id)
             return Route(found.browser, found.worker_id, found.worker) if found else Route()
 
+    def own_sessions(self) -> list[str]:
+        """The sessions whose browser sockets this process holds."""
+        with self.lock:
+            return list(self.sessions)
+
+    def own_browser(self, session_id: str) -> str | None:
+        """The browser channel of a session whose socket this process holds (None for another's)."""
+        with self.lock:
+            found = self.routes.get(session_id)
+            return found.browser if found is not None and session_id in self.sessions else None
+
     def browser_of(self, session_id: str) -> str | None:
         with self.lock:
             found = self.routes.get(session_id)

@@ -50,6 +50,8 @@ class RealtimeSession(models.Model):
         indexes = [
             models.Index(fields=["account", "state"], name="session_account_state"),
             models.Index(fields=["state", "joined_at"], name="session_state_joined"),
+            # the shared admission's first fit walks one model's queue in order
+            models.Index(fields=["state", "model_id", "joined_at"], name="session_state_model_joined"),
         ]
 
     def __str__(self) -> str:

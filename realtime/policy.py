@@ -118,3 +118,13 @@ def placement_event_applies(kind: str, *, known: int, placement: int) -> bool:
     if kind == "back":
         return placement >= known
     raise ValueError(f"unknown placement event {kind!r}")
+
+
+QueueKey = tuple[int, str]  # (joined_us, session_id): a queued session's place in the queue order
+
+
+def moved_position(position: int, key: QueueKey, *, left: Iterable[QueueKey], joined: Iterable[QueueKey]) -> int:
+    """A queued session's position after other sessions left the queue and joined it: one less for
+    each that left ahead of it, one more for each that joined ahead of it. Changes commute, so news
+    of several admissions may be applied in any order (each once)."""
+    return position - sum(1 for other in left if other < key) + sum(1 for other in joined if other < key)

@@ -113,7 +113,7 @@ def session_wake(*, session_id: str, now: datetime) -> None:
     current = admission()
     if current.board.wake(session_id):
         RealtimeSession.objects.filter(id=session_id, state=SessionState.IDLE).update(state=SessionState.QUEUED)
-        current.admit(now=now)
+        current.admit(now=now, joined=[session_id])
 
 
 def session_idle_check(*, session_id: str, now: datetime) -> float | None:

@@ -8,7 +8,7 @@ import collections
 import contextlib
 import json
 import logging
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import redis
@@ -112,6 +112,26 @@ _members: dict[str, set[str]] = {}  # group -> this process's channels in it (th
 GROUP_TARGET = "group:"  # a bus target naming a group: every local member of it
 
 
+_listeners: dict[str, Callable[[dict[str, Any]], None]] = {}  # process-level notice targets
+
+
+def listen(target: str, callback: Callable[[dict[str, Any]], None]) -> None:
+    """Hand every notice for `target` (from `notify_all_sync`, here or over the bus) to `callback`,
+    in this process: once, whatever the number of consumers (it must not block)."""
+    _listeners[target] = callback
+
+
+def notify_all_sync(target: str, message: dict[str, Any]) -> None:
+    """From sync code: a notice for `target`'s listener in every process, this one first (one PUBLISH
+    on the bus for the others; without the bus they miss it, and must not rely on it alone)."""
+    callback = _listeners.get(target)
+    if callback is not None:
+        callback(message)
+    bus = _running_bus()
+    if bus is not None and _in_a_thread():
+        bus.broadcast_threadsafe(target, message)
+
+
 def is_local(channel_name: str) -> bool:
     return channel_name in _inboxes
 
@@ -119,6 +139,10 @@ def is_local(channel_name: str) -> bool:
 def deliver_local(channel_name: str, message: dict[str, Any]) -> bool:
     """Put the message into a local consumer's inbox (every local member's, for a `group:` target);
     False when there is none here."""
+    callback = _listeners.get(channel_name)
+    if callback is not None:
+        callback(message)
+        return True
     if channel_name.startswith(GROUP_TARGET):
         members = list(_members.get(channel_name[len(GROUP_TARGET):], ()))
         return sum(deliver_local(member, message) for member in members) > 0

@@ -4,6 +4,7 @@ processes: the queue and the slots in PostgreSQL). The shared story: docs/design
 from __future__ import annotations
 
 import threading
+from collections.abc import Collection
 from datetime import datetime
 from typing import Any, Protocol
 
@@ -17,7 +18,7 @@ from realtime.admission.local import LocalAdmission
 from realtime.admission.shared import SharedAdmission
 from realtime.board import SessionBoard
 from realtime.models import RealtimeSession
-from realtime.policy import Placement, SlotKey
+from realtime.policy import Placement, QueueKey, SlotKey
 
 
 class SessionAdmission(Protocol):
@@ -35,7 +36,10 @@ class SessionAdmission(Protocol):
 
     def end(self, *, session_id: str, now: datetime) -> bool: ...
 
-    def admit(self, *, now: datetime) -> list[Placement]: ...
+    def admit(self, *, now: datetime, joined: Collection[str] = (), left: Collection[QueueKey] = ()) -> list[Placement]:
+        """First fit; `joined`/`left`: the sessions this event put into the queue or took out of it
+        (what positions move by)."""
+        ...
 
     def accept(self, *, worker_id: str, session_id: str, channel_name: str, now: datetime) -> bool: ...
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Collection
 from datetime import datetime
 from typing import Any
 
@@ -18,7 +19,7 @@ from realtime import policy
 from realtime.board import LIVE, PLACING, QUEUED, SessionBoard, SessionEntry
 from realtime.errors import SessionLimitReached
 from realtime.models import HOLDING_STATES, OPEN_STATES, RealtimeSession, SessionState
-from realtime.policy import Placement, SlotKey
+from realtime.policy import Placement, QueueKey, SlotKey
 from realtime.records import session_row_close, to_microseconds, usage_close, usage_open
 
 log = logging.getLogger(__name__)
@@ -83,10 +84,11 @@ class LocalAdmission:
 
     # admission
 
-    def admit(self, *, now: datetime) -> list[Placement]:
+    def admit(self, *, now: datetime, joined: Collection[str] = (), left: Collection[QueueKey] = ()) -> list[Placement]:
         """First fit, each placement claimed by compare-and-set. The board's lock is never held
         across the database: the frame path takes it on the event loop. Admissions follow one
-        another under a lock of their own instead."""
+        another under a lock of their own instead. (`joined`, `left`: one process sees every change
+        in its board, so positions are read there.)"""
         board = self.board
         done: list[Placement] = []
         skipped: set[str] = set()

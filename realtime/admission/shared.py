@@ -5,28 +5,33 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Collection
 from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
 from django.contrib.auth.models import User
-from django.db import transaction
-from django.db.models import F
+from django.db import connection, transaction
+from django.db.models import F, Q
 from django.utils import timezone
 
 from potocolom.protocol.browser import Live, Queued
 from potocolom.protocol.worker import ModelEntry, SessionEnd, SessionStart
-from potocolom.transport.notify import notify_after_commit, to_socket_after_commit
+from potocolom.transport import relay
+from potocolom.transport.notify import notify_after_commit, socket_event, to_socket_after_commit
 from realtime import policy
+from realtime.admission.places import SESSIONS_MOVED, QueuePlaces
 from realtime.admission.presence import Presence, admission_lock, alive_processes
 from realtime.board import SessionBoard, SessionEntry
 from realtime.errors import SessionLimitReached
 from realtime.models import HOLDING_STATES, OPEN_STATES, RealtimeSession, SessionState
-from realtime.policy import Placement, QueuedSession, SlotKey
+from realtime.policy import Placement, QueuedSession, QueueKey, SlotKey
 from realtime.records import session_row_close, to_microseconds, usage_close, usage_open
 from workers import selectors as worker_rows
 
 log = logging.getLogger(__name__)
+HEAD_CHUNK = 64  # queued sessions of one model read at a time by first fit
+MOVES_SEQUENCE = "realtime_queue_moves"  # numbers each admission's queue moves (migration 0004)
 
 
 def worker_window_seconds() -> float:
@@ -68,6 +73,8 @@ class SharedAdmission:
     def __init__(self) -> None:
         self.board = SessionBoard()
         self.presence = Presence()
+        self.places = QueuePlaces(self.board.own_browser)
+        relay.listen(SESSIONS_MOVED, self._moved)
 
     def load(self, *, now: datetime) -> None:
         """Nothing to load: the other processes' sessions are alive (the sweep closes orphans)."""
@@ -79,40 +86,96 @@ class SharedAdmission:
 
     # admission
 
-    def admit(self, *, now: datetime) -> list[Placement]:
-        """First fit over the global queue under the admission lock; session_start and positions go
-        out after the commit."""
+    def admit(self, *, now: datetime, joined: Collection[str] = (), left: Collection[QueueKey] = ()) -> list[Placement]:
+        """First fit under the admission lock, reading only the slots and, for a model with a free
+        slot, its queue's head; then the queue's moves (`left`: keys of sessions that left the queue,
+        `joined`: ids of sessions that entered it, with this round's placements) go out to every
+        process as one notice, numbered. session_start and the notice go out after the commit."""
         with transaction.atomic():
             admission_lock()
-            rows = {str(row[0]): row for row in RealtimeSession.objects.filter(
-                state__in=(SessionState.QUEUED, *HOLDING_STATES)).values_list(
-                "id", "state", "model_id", "joined_at", "worker_id", "refused_by", "told_position", "channel_name",
-                "params")}
-            queued = [QueuedSession(sid, row[2], to_microseconds(row[3]), frozenset(row[5] or ()))
-                      for sid, row in rows.items() if row[1] == SessionState.QUEUED]
-            held = [(row[4], row[2]) for row in rows.values() if row[1] in HOLDING_STATES and row[4]]
-            capacity, channels = capacities(now)
-            placed = []
-            for placement in policy.first_fit(queued, policy.free_slots(capacity, held)):
-                if RealtimeSession.objects.filter(id=placement.session_id, state=SessionState.QUEUED).update(
-                        state=SessionState.PLACING, worker_id=placement.worker_id, told_position=None,
-                        placements=F("placements") + 1) != 1:
-                    continue  # closed meanwhile
-                placed.append(placement)
-                row = rows[placement.session_id]
-                start = SessionStart(placement.session_id, placement.model_id, dict(row[8] or {}))
-                # the browser's channel goes along: the worker's process routes frame results by it
-                to_socket_after_commit(channels[placement.worker_id], start.to_wire(), browser=row[7])
+            placed, placed_keys = self._first_fit(now)
             taken = {p.session_id for p in placed}
-            changed = []
-            for sid, place in policy.positions(q for q in queued if q.session_id not in taken).items():
-                if rows[sid][6] != place:
-                    changed.append(RealtimeSession(id=sid, told_position=place))
-                    if rows[sid][7]:
-                        to_socket_after_commit(rows[sid][7], Queued(place).to_wire())
-            if changed:
-                RealtimeSession.objects.bulk_update(changed, ["told_position"])
+            entered = []
+            for session_id in [s for s in dict.fromkeys(joined) if s not in taken]:
+                row = RealtimeSession.objects.filter(id=session_id, state=SessionState.QUEUED) \
+                    .values_list("joined_at", flat=True).first()
+                if row is not None:
+                    ahead = RealtimeSession.objects.filter(state=SessionState.QUEUED).filter(
+                        Q(joined_at__lt=row) | Q(joined_at=row, id__lt=session_id)).count()
+                    entered.append([[to_microseconds(row), str(session_id)], ahead + 1])
+            gone = [list(key) for key in left] + [list(key) for key in placed_keys
+                                                  if key[1] not in set(map(str, joined))]
+            if gone or entered:
+                with connection.cursor() as cursor:
+                    cursor.execute(f"SELECT nextval('{MOVES_SEQUENCE}')")
+                    seq = int(cursor.fetchone()[0])
+                moves = {"type": SESSIONS_MOVED, "seq": seq, "left": gone, "joined": entered}
+                transaction.on_commit(lambda: relay.notify_all_sync(SESSIONS_MOVED, moves))
         return placed
+
+    def _first_fit(self, now: datetime) -> tuple[list[Placement], list[QueueKey]]:
+        """The pure first fit, fed only what it needs: the slots held and offered, and for each model
+        with a free slot the head of its queue, read in order a chunk at a time until its slots are
+        given (a session refused by every free worker is passed over)."""
+        capacity, channels = capacities(now)
+        held = RealtimeSession.objects.filter(state__in=HOLDING_STATES, worker_id__isnull=False) \
+            .values_list("worker_id", "model_id")
+        free = {key: n for key, n in policy.free_slots(capacity, [(w, m) for w, m in held if w]).items() if n > 0}
+        placed: list[Placement] = []
+        keys: list[QueueKey] = []
+        for model_id in sorted({m for _, m in free}):
+            room = {key: n for key, n in free.items() if key[1] == model_id}
+            start = 0
+            while any(room.values()):
+                rows = list(RealtimeSession.objects.filter(state=SessionState.QUEUED, model_id=model_id)
+                            .order_by("joined_at", "id").values_list("id", "joined_at", "refused_by", "channel_name",
+                                                                     "params")[start:start + HEAD_CHUNK])
+                if not rows:
+                    break
+                start += len(rows)
+                by_id = {str(row[0]): row for row in rows}
+                queued = [QueuedSession(sid, model_id, to_microseconds(row[1]), frozenset(row[2] or ()))
+                          for sid, row in by_id.items()]
+                for placement in policy.first_fit(queued, room):
+                    if RealtimeSession.objects.filter(id=placement.session_id, state=SessionState.QUEUED).update(
+                            state=SessionState.PLACING, worker_id=placement.worker_id, told_position=None,
+                            placements=F("placements") + 1) != 1:
+                        continue  # closed meanwhile
+                    room[(placement.worker_id, model_id)] -= 1
+                    row = by_id[placement.session_id]
+                    placed.append(placement)
+                    keys.append((to_microseconds(row[1]), placement.session_id))
+                    start -= 1  # it left the queue: the next chunk starts one row earlier
+                    start_message = SessionStart(placement.session_id, placement.model_id, dict(row[4] or {}))
+                    # the browser's channel goes along: the worker's process routes frame results by it
+                    to_socket_after_commit(channels[placement.worker_id], start_message.to_wire(), browser=row[3])
+        return placed, keys
+
+    def _moved(self, message: dict[str, Any]) -> None:
+        """News of an admission's queue moves (any process's): tell this process's browsers whose
+        position changed."""
+        for browser, position in self.places.moved(message):
+            relay.deliver_local(browser, socket_event(Queued(position).to_wire()))
+
+    def _resync(self) -> None:
+        """The sweep's correction of news lost on the way (the bus is at most once): this process's
+        queued sessions' positions read from the queue, as of the latest move (under the lock, so
+        no move is half counted)."""
+        own = self.board.own_sessions()
+        if not own:
+            return
+        with transaction.atomic():
+            admission_lock()
+            with connection.cursor() as cursor:
+                cursor.execute(f"SELECT last_value, is_called FROM {MOVES_SEQUENCE}")
+                last, called = cursor.fetchone()
+                cursor.execute("SELECT id, joined_at, place FROM (SELECT id, joined_at, row_number() OVER "
+                               "(ORDER BY joined_at, id) AS place FROM realtime_realtimesession WHERE state = %s) q "
+                               "WHERE id = ANY(%s)", [SessionState.QUEUED, [uuid.UUID(s) for s in own]])
+                rows = cursor.fetchall()
+        positions = {str(sid): ((to_microseconds(joined), str(sid)), int(place)) for sid, joined, place in rows}
+        for browser, position in self.places.resync(positions, as_of=int(last) if called else 0):
+            relay.deliver_local(browser, socket_event(Queued(position).to_wire()))
 
     # joining and leaving
 
@@ -125,7 +188,7 @@ class SharedAdmission:
         session_id = uuid.uuid4()
         with transaction.atomic():
             User.objects.select_for_update().filter(pk=account.pk).values_list("pk", flat=True).first()
-            orphans = self._close_orphans(RealtimeSession.objects.filter(account=account), now=now)
+            orphans, left = self._close_orphans(RealtimeSession.objects.filter(account=account), now=now)
             held = RealtimeSession.objects.filter(account=account, state__in=OPEN_STATES).count()
             if held >= settings.ACCOUNT_SESSION_LIMIT:
                 raise SessionLimitReached(f"the account already holds {held} sessions")
@@ -138,7 +201,7 @@ class SharedAdmission:
             self.end_on_worker(worker_id, ended_id)
         self.board.add(SessionEntry(str(session.id), account.pk, model_id, to_microseconds(joined), params),
                        browser=channel_name)
-        self.admit(now=now)
+        self.admit(now=now, joined=[str(session.id)], left=left)
         return session
 
     def _resume_place(self, *, account: User, model_id: str, params: dict[str, int], session_id: uuid.UUID,
@@ -163,35 +226,44 @@ class SharedAdmission:
             gone = [g for g in gone if g.session_id != chosen.session_id]
         return None
 
-    def _close_orphans(self, sessions: Any, *, now: datetime, resumable: bool = True) -> list[tuple[str | None, str]]:
+    def _close_orphans(self, sessions: Any, *, now: datetime,
+                       resumable: bool = True) -> tuple[list[tuple[str | None, str]], list[QueueKey]]:
         """Close the open sessions (of the queryset `sessions`) whose process is gone, noting when (their
         browsers' reconnects may take their places, unless not `resumable`); the (worker, session) pairs
-        that held a slot, whose workers must get session_end after the commit."""
+        that held a slot, whose workers must get session_end after the commit, and the queue keys of
+        those that were queued."""
         if worker_rows.database_up_for_less_than(seconds=presence_grace_seconds(), now=now):
-            return []  # the processes are taking their presence locks back after a restart of the database
+            return [], []  # the processes are taking their presence locks back after a restart of the database
         alive = alive_processes()
-        ended = []
-        for session_id, state, worker_id in sessions.filter(state__in=OPEN_STATES).exclude(
-                api_process__in=alive).values_list("id", "state", "worker_id"):
+        ended: list[tuple[str | None, str]] = []
+        left: list[QueueKey] = []
+        for session_id, state, worker_id, joined_at in sessions.filter(state__in=OPEN_STATES).exclude(
+                api_process__in=alive).values_list("id", "state", "worker_id", "joined_at"):
+            if state == SessionState.QUEUED:
+                left.append((to_microseconds(joined_at), str(session_id)))
             if resumable:
                 RealtimeSession.objects.filter(id=session_id, state__in=OPEN_STATES).update(orphaned_at=now)
             session_row_close(session_id=str(session_id), now=now)
             if state in HOLDING_STATES:
                 ended.append((worker_id, str(session_id)))
-        if ended:
-            log.info("closed %d sessions of API processes that are gone", len(ended))
-        return ended
+        if ended or left:
+            log.info("closed %d sessions of API processes that are gone", len(ended) + len(left))
+        return ended, left
 
     def close(self, *, session_id: str, now: datetime) -> None:
         """The browser socket closed: the row closes; a worker holding it gets session_end."""
         _, route = self.board.remove(session_id)
+        self.places.forget(session_id)
         with transaction.atomic():
             row = RealtimeSession.objects.select_for_update().filter(id=session_id, state__in=OPEN_STATES) \
-                .values_list("state", "worker_id").first()
+                .values_list("state", "worker_id", "joined_at").first()
             session_row_close(session_id=session_id, now=now)
         if row is not None and row[0] in HOLDING_STATES:
             self.end_on_worker(row[1], session_id, route.worker if route else None)
-        self.admit(now=now)
+        if row is not None and row[0] == SessionState.QUEUED:
+            self.admit(now=now, left=[(to_microseconds(row[2]), session_id)])
+        elif row is not None and row[0] in HOLDING_STATES:  # (an idle session frees nothing)
+            self.admit(now=now)
 
     def end(self, *, session_id: str, now: datetime) -> bool:
         """Operators: end a session. Its socket's process closes it; a session whose process is gone
@@ -204,11 +276,12 @@ class SharedAdmission:
             notify_after_commit(row[0], {"type": "session.end"})
             return True
         with transaction.atomic():
-            ended = self._close_orphans(RealtimeSession.objects.filter(id=session_id), now=now, resumable=False)
+            ended, left = self._close_orphans(RealtimeSession.objects.filter(id=session_id), now=now,
+                                              resumable=False)
             session_row_close(session_id=session_id, now=now)
         for worker_id, sid in ended:
             self.end_on_worker(worker_id, sid)
-        self.admit(now=now)
+        self.admit(now=now, left=left)
         return True
 
     # on the worker's side
@@ -241,7 +314,7 @@ class SharedAdmission:
                 return False
             RealtimeSession.objects.filter(id=session_id).update(
                 state=SessionState.QUEUED, worker_id=None, refused_by=sorted({*refused, worker_id}))
-        self.admit(now=now)
+        self.admit(now=now, joined=[session_id])
         return True
 
     def _send_back(self, *, now: datetime, end_on: str | None = None, **which: Any) -> None:
@@ -259,7 +332,7 @@ class SharedAdmission:
                 notify_after_commit(channel, {"type": "session.back", "placement": placement})
             if end_on:
                 to_socket_after_commit(end_on, SessionEnd(str(session_id)).to_wire())
-        self.admit(now=now)
+        self.admit(now=now, joined=[str(row[0]) for row in rows])
 
     def worker_joined(self, *, worker_id: str, channel_name: str, models: list[ModelEntry], previous_channel: str,
                       now: datetime) -> None:
@@ -298,18 +371,21 @@ class SharedAdmission:
         """In the process holding the sweep lock: refusals are forgotten, sessions of dead processes
         close, sessions held by workers no process has seen within the dead-worker window go back,
         and admission runs."""
+        self._resync()
         if not self.presence.try_lead():
             return
         RealtimeSession.objects.filter(state=SessionState.QUEUED).exclude(refused_by=[]).update(refused_by=[])
         with transaction.atomic():
-            ended = self._close_orphans(RealtimeSession.objects.all(), now=now)
+            ended, left = self._close_orphans(RealtimeSession.objects.all(), now=now)
         for worker_id, session_id in ended:
             self.end_on_worker(worker_id, session_id)
         stale = worker_rows.silent_ids(seconds=worker_window_seconds(), now=now)
         if stale and RealtimeSession.objects.filter(state__in=HOLDING_STATES, worker_id__in=stale).exists():
             self._send_back(now=now, worker_id__in=stale)
+            if left:
+                self.admit(now=now, left=left)
         else:
-            self.admit(now=now)
+            self.admit(now=now, left=left)
 
     # what operators see
 

@@ -266,3 +266,22 @@ def test_it_applies_news_of_a_placement_only_when_it_is_not_stale(kind, known, p
 def test_it_rejects_an_unknown_kind_of_placement_news():
     with pytest.raises(ValueError):
         placement_event_applies("idle", known=0, placement=1)
+
+
+# --- positions moved by an admission's news -------------------------------------------------------
+
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from realtime.policy import moved_position  # noqa: E402
+
+
+@given(st.sets(st.integers(0, 50), min_size=1, max_size=30), st.data())
+def test_moved_positions_are_the_positions_of_the_queue_after_the_moves(before, data):
+    keys = sorted((n, f"s{n}") for n in before)
+    mine = data.draw(st.sampled_from(keys))
+    left = [k for k in keys if k != mine and data.draw(st.booleans())]
+    joined = [(n, f"s{n}") for n in data.draw(st.sets(st.integers(51, 99) | st.integers(-20, -1)))]
+    after = sorted([k for k in keys if k not in left] + joined)
+
+    assert moved_position(keys.index(mine) + 1, mine, left=left, joined=joined) == after.index(mine) + 1
