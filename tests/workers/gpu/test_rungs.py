@@ -67,6 +67,28 @@ def test_every_rung_gives_the_pixels_of_full_residency(tiny_model: InstalledMode
             list((tmp_path / "groups").iterdir())) != []
 
 
+@pytest.mark.parametrize("rung", [RUNG_FULL, RUNG_MODEL_OFFLOAD, RUNG_GROUP_OFFLOAD])
+def test_a_job_stopped_at_a_step_boundary_leaves_the_rung_whole(tiny_model: InstalledModel,
+                                                                 full_pixels: dict[str, Any], rung: str) -> None:
+    from workers.gpu.pipelines import JobCancelled
+
+    pipeline = DiffusersPipeline.load(tiny_model, "cpu", rung)
+    steps: list[int] = []
+    decodes: list[int] = []
+    handle = pipeline.pipe.vae.decoder.register_forward_pre_hook(lambda module, args: decodes.append(1))
+    try:
+        with pytest.raises(JobCancelled):
+            pipeline.generate({**TXT2IMG, "steps": 20}, on_step=lambda step, total: steps.append(step),
+                              should_stop=lambda: len(steps) >= 2)
+        assert steps == [1, 2] and decodes == []  # left after step 2 of 20, nothing decoded
+        # The hooks were put back as a finished call leaves them: the next job is as on full.
+        assert all(np.array_equal(a, b) for a, b in zip(pixels(pipeline, TXT2IMG), full_pixels["txt2img"],
+                                                        strict=True))
+        assert decodes == [1]
+    finally:
+        handle.remove()
+
+
 def test_the_footprint_is_measured_from_the_loaded_modules(tiny_model: InstalledModel, models_dir: Path) -> None:
     modules = read_modules(tiny_model, "cpu")
     footprint = pipeline_footprint(tiny_model.model_id, modules.pipe, tiny_model.params_schema)
