@@ -14,10 +14,11 @@ from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db import connection
+from django.db.models import Max
 from django.utils import timezone
 
 from scheduling.models import HELD_STATES, Job, JobState
-from scheduling.policy import Assignment, QueuedJob, WorkerCapacity, plan_dispatch
+from scheduling.policy import Assignment, QueuedJob, Turn, WorkerCapacity, plan_dispatch
 from scheduling.queues import JobQueues
 from scheduling.queues.memory import MemoryQueues
 from scheduling.queues.redis import RecoveringQueues, RedisQueues, redis_client_from_url
@@ -66,6 +67,7 @@ class Dispatcher:
         self.orphans: dict[str, Orphans] = {}
         self.loaded = False
         self._joined = itertools.count()
+        self._turn_clock_us = 0  # the latest turn this process gave
 
     @property
     def shared(self) -> bool:
@@ -73,11 +75,12 @@ class Dispatcher:
         return self.queues.shared
 
     def load(self, *, queued: Callable[[], Iterable[QueuedJob]], held: dict[str, set[str]],
-             deadline: datetime) -> None:
-        """Rebuild from the database: queued jobs (`queued()` reads them), and jobs held by workers
-        not yet reconnected, who have until `deadline` to come back."""
+             deadline: datetime, turns: Callable[[], Iterable[Turn]] | None = None) -> None:
+        """Rebuild from the database: queued jobs (`queued()` reads them) and the accounts' turns
+        (`turns()`), and jobs held by workers not yet reconnected, who have until `deadline` to
+        come back."""
         with self.lock:
-            self.queues.rebuild_from(queued)
+            self.queues.rebuild_from(queued, turns)
             self.orphans = {worker_id: Orphans(set(jobs), deadline) for worker_id, jobs in held.items() if jobs}
             self.loaded = True
 
@@ -180,8 +183,21 @@ class Dispatcher:
                     return orphan_id
             return None
 
-    def plan(self, claim: Callable[[Assignment], bool]) -> list[Assignment]:
+    def let_go(self, job_id: str, *, worker_id: str) -> bool:
+        """A v2 worker answered for a job it was told to cancel: its place frees. True when it was
+        letting go of it (its answer is about that cancelled run, not for the database)."""
+        with self.lock:
+            worker = self.workers.get(worker_id)
+            if worker is None or job_id not in worker.letting_go:
+                return False
+            worker.letting_go.discard(job_id)
+            worker.held.discard(job_id)
+            return True
+
+    def plan(self, claim: Callable[[Assignment], bool], *, at_us: int | None = None) -> list[Assignment]:
         """Decide dispatches and apply those that `claim` confirms (the database compare-and-set).
+        `at_us`: the time of the dispatch, which becomes the turn of each account served (each
+        dispatch of this process a microsecond after the one before, whatever the clock says).
 
         A job whose claim fails (cancelled meanwhile) is dropped from the plan and planning goes on.
         """
@@ -190,7 +206,10 @@ class Dispatcher:
             while True:
                 capacities = [WorkerCapacity(w.worker_id, w.models, len(w.held), w.joined)
                               for w in self.workers.values()]
-                planned = plan_dispatch(self.queues, capacities, depth=self.depth)
+                start = None if at_us is None else max(at_us, self._turn_clock_us + 1)
+                planned = plan_dispatch(self.queues, capacities, depth=self.depth, at_us=start)
+                if start is not None:
+                    self._turn_clock_us = start + len(planned)
                 if not planned:
                     return done
                 for assignment in planned:
@@ -229,7 +248,7 @@ def _load(current: Dispatcher, *, now: datetime) -> None:
     for job_id, worker_id in Job.objects.filter(state__in=HELD_STATES).values_list("id", "worker_id"):
         held.setdefault(worker_id or "", set()).add(str(job_id))
     # A worker that held jobs gets the contract's dead-worker window to reconnect.
-    current.load(queued=queued_rows, held=held, deadline=now + timedelta(seconds=4 * settings.WORKER_HEARTBEAT_SECONDS))
+    current.load(queued=queued_rows, turns=turn_rows, held=held, deadline=now + timedelta(seconds=4 * settings.WORKER_HEARTBEAT_SECONDS))
     log.info("rebuilt the job queue from the database: %d queued, %d held, in %.0f ms", len(current.queues),
              sum(len(jobs) for jobs in held.values()), (time.perf_counter() - started) * 1000)
 
@@ -238,11 +257,21 @@ def queued_rows() -> list[QueuedJob]:
     """Every queued job's queue key, read in one query (the start-up cost of an API process)."""
     if connection.vendor == "postgresql":  # skip building UUID objects only to turn them back into text
         with connection.cursor() as cursor:
-            cursor.execute(f"SELECT id::text, model_id, priority, submitted_us FROM {Job._meta.db_table} "
-                           "WHERE state = %s", [JobState.QUEUED.value])
+            cursor.execute(f"SELECT id::text, model_id, priority, submitted_us, account_id::text "
+                           f"FROM {Job._meta.db_table} WHERE state = %s", [JobState.QUEUED.value])
             return [QueuedJob._make(row) for row in cursor.fetchall()]
-    rows = Job.objects.filter(state=JobState.QUEUED).values_list("id", "model_id", "priority", "submitted_us")
-    return [QueuedJob(str(job_id), model_id, priority, us) for job_id, model_id, priority, us in rows]
+    rows = Job.objects.filter(state=JobState.QUEUED).values_list("id", "model_id", "priority", "submitted_us",
+                                                                 "account_id")
+    return [QueuedJob(str(job_id), model_id, priority, us, str(account)) for job_id, model_id, priority, us, account
+            in rows]
+
+
+def turn_rows() -> list[Turn]:
+    """Each account's last turn per model (the latest `turn_us` of its jobs there): one grouped
+    query over the index on (account, model_id, turn_us)."""
+    rows = (Job.objects.filter(turn_us__isnull=False).values("model_id", "account_id")
+            .annotate(last=Max("turn_us")).values_list("model_id", "account_id", "last").order_by())
+    return [Turn(model_id, str(account), last) for model_id, account, last in rows]
 
 
 def queues_from_settings() -> JobQueues:
@@ -253,7 +282,8 @@ def queues_from_settings() -> JobQueues:
         return MemoryQueues()
     database = f"{connection.vendor}:{connection.settings_dict.get('HOST') or ''}:{connection.settings_dict['NAME']}"
     prefix = f"potocolom:{hashlib.sha1(database.encode()).hexdigest()[:12]}:jobs"
-    return RecoveringQueues(RedisQueues(redis_client_from_url(settings.REDIS_URL or ""), prefix), queued_rows)
+    return RecoveringQueues(RedisQueues(redis_client_from_url(settings.REDIS_URL or ""), prefix), queued_rows,
+                            turn_rows)
 
 
 def reset_dispatcher() -> None:

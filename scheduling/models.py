@@ -17,6 +17,7 @@ class JobState(models.TextChoices):
 
 
 ACTIVE_STATES = (JobState.QUEUED, JobState.DISPATCHED, JobState.RUNNING)
+UNFINISHED_STATES = ACTIVE_STATES  # what ACCOUNT_JOB_LIMIT counts
 HELD_STATES = (JobState.DISPATCHED, JobState.RUNNING)
 
 
@@ -35,6 +36,10 @@ class Job(models.Model):
     submitted_us = models.BigIntegerField()
     created_at = models.DateTimeField()
     dispatched_at = models.DateTimeField(null=True, blank=True)
+    # Fair share: the turn its latest dispatch gave its account on its model's queue (microseconds,
+    # kept when the job is sent back, so the account keeps its turn); the queue's turns are rebuilt
+    # from the latest of each account and model.
+    turn_us = models.BigIntegerField(null=True, blank=True)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
     progress_step = models.PositiveIntegerField(null=True, blank=True)
@@ -50,6 +55,8 @@ class Job(models.Model):
             models.Index(fields=["state", "model_id"], name="job_state_model"),
             models.Index(fields=["account", "-created_at"], name="job_account_recent"),
             models.Index(fields=["worker_id", "state"], name="job_worker_state"),
+            models.Index(fields=["account", "model_id", "turn_us"], name="job_account_turns"),
+            models.Index(fields=["account", "state"], name="job_account_state"),
         ]
 
     def __str__(self) -> str:

@@ -26,8 +26,8 @@ from potocolom.protocol.worker import Cancel, JobOrder
 from potocolom.transport import relay
 from potocolom.transport.notify import to_socket_after_commit
 from scheduling.dispatcher import Dispatcher, dispatcher
-from scheduling.errors import JobAlreadyEnded
-from scheduling.models import ACTIVE_STATES, HELD_STATES, Job, JobState
+from scheduling.errors import JobAlreadyEnded, TooManyJobs
+from scheduling.models import ACTIVE_STATES, HELD_STATES, UNFINISHED_STATES, Job, JobState
 from scheduling.policy import Assignment, QueuedJob, retry_decision
 from workers import selectors as worker_rows
 
@@ -52,18 +52,21 @@ def to_microseconds(moment: datetime) -> int:
 
 
 def queued_job(job: Job) -> QueuedJob:
-    return QueuedJob(job_id=str(job.id), model_id=job.model_id, priority=job.priority, submitted_us=job.submitted_us)
+    return QueuedJob(job_id=str(job.id), model_id=job.model_id, priority=job.priority, submitted_us=job.submitted_us,
+                     account=str(job.account_id))
 
 
-def _claim(*, job_id: str, worker_id: str, now: datetime) -> tuple[int, dict[str, Any]] | None:
-    """Compare-and-set queued -> dispatched; the job's attempt and params, or None when it is no
-    longer queued. One statement (UPDATE ... RETURNING, PostgreSQL and SQLite >= 3.35), since the
-    claim sits on the submit -> dispatch path."""
+def _claim(*, job_id: str, worker_id: str, turn_us: int | None, now: datetime) -> tuple[int, dict[str, Any]] | None:
+    """Compare-and-set queued -> dispatched, recording the turn the dispatch gave the job's
+    account; the job's attempt and params, or None when it is no longer queued. One statement
+    (UPDATE ... RETURNING, PostgreSQL and SQLite >= 3.35), since the claim sits on the submit ->
+    dispatch path."""
     fields = Job._meta
-    sql = (f"UPDATE {fields.db_table} SET state = %s, worker_id = %s, dispatched_at = %s, progress_step = NULL, "
-           "progress_steps = NULL WHERE id = %s AND state = %s RETURNING attempts, params")
+    sql = (f"UPDATE {fields.db_table} SET state = %s, worker_id = %s, dispatched_at = %s, "
+           "turn_us = COALESCE(%s, turn_us), progress_step = NULL, progress_steps = NULL "
+           "WHERE id = %s AND state = %s RETURNING attempts, params")
     dispatched_at = fields.get_field("dispatched_at").get_db_prep_value(now, connection)
-    values = [JobState.DISPATCHED.value, worker_id, dispatched_at,
+    values = [JobState.DISPATCHED.value, worker_id, dispatched_at, turn_us,
               fields.pk.get_db_prep_value(uuid.UUID(job_id), connection), JobState.QUEUED.value]
     with connection.cursor() as cursor:  # one statement: atomic without a transaction block
         cursor.execute(sql, values)
@@ -80,7 +83,7 @@ def jobs_dispatch(*, now: datetime) -> list[Assignment]:
 
     def claim(assignment: Assignment) -> bool:
         job = assignment.job
-        claimed = _claim(job_id=job.job_id, worker_id=assignment.worker_id, now=now)
+        claimed = _claim(job_id=job.job_id, worker_id=assignment.worker_id, turn_us=job.turn_us, now=now)
         if claimed is None:
             return False
         channel = current.channel_of(assignment.worker_id)
@@ -89,7 +92,7 @@ def jobs_dispatch(*, now: datetime) -> list[Assignment]:
             to_socket_after_commit(channel, JobOrder(job.job_id, attempts, job.model_id, params).to_wire())
         return True
 
-    return current.plan(claim)
+    return current.plan(claim, at_us=to_microseconds(now))
 
 
 def jobs_dispatch_or_wake(*, queued: set[str], now: datetime) -> None:
@@ -108,6 +111,11 @@ def job_submit(*, account: User, request: JobRequest, now: datetime) -> Job:
     """Route, persist and queue a job; workers with room get it after the commit."""
     manifest = route(registered_manifests(), model_id=request.model_id, tier=request.tier,
                      capabilities=request.capabilities, params=request.params)
+    # Counted, then inserted: concurrent submissions of one account may pass the limit by as many
+    # as run at once (bounded by JOB_SUBMIT_RATE); a lock would cost every submission two round trips.
+    if Job.objects.filter(account=account, state__in=UNFINISHED_STATES).count() >= settings.ACCOUNT_JOB_LIMIT:
+        raise TooManyJobs(f"the account already has {settings.ACCOUNT_JOB_LIMIT} unfinished jobs "
+                          "(ACCOUNT_JOB_LIMIT); wait for some to end, or cancel some")
     # One INSERT commits on its own (no BEGIN/COMMIT round trips); inside a caller's transaction the
     # job is queued only once that commits.
     job = Job.objects.create(account=account, model_id=manifest.model_id, params=request.params,
@@ -207,7 +215,10 @@ def job_finish(*, worker_id: str, job_id: str, images: list[str], gpu_ms: float 
                now: datetime) -> bool:
     """Store a job's images and mark it succeeded; frees the worker's place for the next job. (No
     check before storing: a result for a job this worker no longer holds is rare, and its files are
-    deleted again when the compare-and-set below finds it so; a check costs every job a round trip.)"""
+    deleted again when the compare-and-set below finds it so; a check costs every job a round trip.)
+    The result of a run the worker was told to cancel (v2) only frees its place."""
+    if _let_go(job_id, worker_id, now=now):
+        return False
     try:
         decoded = [decode_image(image) for image in images]
     except ValueError as exc:
@@ -224,8 +235,7 @@ def job_finish(*, worker_id: str, job_id: str, images: list[str], gpu_ms: float 
         raise
     if not finished:
         _delete_images(names)
-    # A result ends the worker's hold on the job even when it changed nothing (cancelled meanwhile:
-    # a v2 worker's cancelled job counts against its depth until then).
+    # A result ends the worker's hold on the job even when it changed nothing: it runs it no more.
     _release_and_dispatch(job_id, worker_id, now=now)
     return finished
 
@@ -239,12 +249,23 @@ def _delete_images(names: list[str]) -> None:
 
 
 def job_fail(*, worker_id: str, job_id: str, error: str, now: datetime) -> bool:
-    """A failure the worker reports is final."""
+    """A failure the worker reports is final. A v2 worker's answer to `cancel` only frees its place."""
+    if _let_go(job_id, worker_id, now=now):
+        return False
     failed = Job.objects.filter(id=job_id, worker_id=worker_id, state__in=HELD_STATES).update(
         state=JobState.FAILED, error=str(error)[:2000] or "failed", finished_at=now) == 1
-    # Also when it changed nothing: a v2 worker answers `cancel` so, and its place frees only now.
+    # Also when it changed nothing: the worker runs it no more, whatever the database says.
     _release_and_dispatch(job_id, worker_id, now=now)
     return failed
+
+
+def _let_go(job_id: str, worker_id: str, *, now: datetime) -> bool:
+    """Whether the worker was letting go of this job (told to cancel it); its place frees. The job
+    may since have been queued again, even for this worker: the answer must not touch that run."""
+    if not dispatcher().let_go(job_id, worker_id=worker_id):
+        return False
+    jobs_dispatch(now=now)
+    return True
 
 
 def _release_and_dispatch(job_id: str, worker_id: str, *, now: datetime) -> None:

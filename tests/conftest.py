@@ -35,6 +35,16 @@ def fresh_channel_layer():
 
 
 @pytest.fixture(autouse=True)
+def fresh_cache(settings):
+    """Each test counts job submissions and failed logins afresh: its own key prefix in the cache
+    (the same backend, LocMem or Redis), as account ids repeat from one test to the next."""
+    import uuid
+
+    settings.CACHES = {name: {**options, "KEY_PREFIX": f"test-{uuid.uuid4().hex}"}
+                       for name, options in settings.CACHES.items()}
+
+
+@pytest.fixture(autouse=True)
 def media_in_tmp(settings, tmp_path):
     settings.MEDIA_ROOT = tmp_path / "media"
 
@@ -60,6 +70,11 @@ def alice(make_account):
 @pytest.fixture
 def bob(make_account):
     return make_account("bob")
+
+
+@pytest.fixture
+def carol(make_account):
+    return make_account("carol")
 
 
 @pytest.fixture

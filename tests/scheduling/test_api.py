@@ -263,7 +263,7 @@ def test_it_lists_an_accounts_jobs_newest_first_in_drf_pages(models, alice, bob,
     assert set(body) == {"count", "next", "previous", "results"}
     assert body["count"] == 3 and body["next"] is None and body["previous"] is None
     assert [job["id"] for job in body["results"]] == ids[::-1]
-    assert [job["position"] for job in body["results"]] == [3, 2, 1]
+    assert [job["position"] for job in body["results"]] == [4, 3, 1]  # bob's job takes the second turn
 
 
 def test_it_pages_a_long_list(models, alice):
@@ -353,7 +353,7 @@ def test_it_closes_the_gap_a_cancelled_job_leaves_in_the_queue(models, alice, jo
 
 # --- positions ----------------------------------------------------------------------------------
 
-def test_it_places_queued_jobs_by_priority_then_submission_order(models, alice, bob, job_of):
+def test_it_places_queued_jobs_by_turns_between_accounts_then_each_accounts_priority(models, alice, bob, job_of):
     submitted = [("a-low", alice, 0), ("b-mid", bob, 5), ("a-low-2", alice, 0), ("b-top", bob, 9),
                  ("a-mid", alice, 5)]
     ids = {name: job_of(account, priority=priority)["id"] for name, account, priority in submitted}
@@ -363,8 +363,24 @@ def test_it_places_queued_jobs_by_priority_then_submission_order(models, alice, 
         job_id = ids.get(name_or_id, name_or_id)
         return get(account, f"/api/v1/jobs/{job_id}/").json()["position"]
 
-    assert [position(name, account) for name, account, _ in submitted] == [4, 2, 5, 1, 3]
+    # alice's oldest job gives her the first turn: a-mid, b-top, a-low, b-mid, a-low-2
+    assert [position(name, account) for name, account, _ in submitted] == [3, 4, 5, 2, 1]
     assert position(other_model, alice) == 1
+
+
+def test_an_account_at_its_job_limit_is_refused_until_one_ends(settings, models, alice, bob, submit, job_of):
+    settings.ACCOUNT_JOB_LIMIT = 2
+    first = job_of(alice)
+    job_of(alice)
+
+    refused = submit(alice, {"params": PROMPT})
+    assert refused.status_code == 429
+    assert refused.json()["error"] == "too_many_jobs" and "ACCOUNT_JOB_LIMIT" in refused.json()["detail"]
+    assert get(alice, "/api/v1/jobs/").json()["count"] == 2  # nothing was created
+    assert submit(bob, {"params": PROMPT}).status_code == 201  # another account's limit is its own
+
+    assert api_client(alice).post(f"/api/v1/jobs/{first['id']}/cancel/").status_code == 200
+    assert submit(alice, {"params": PROMPT}).status_code == 201  # an ended job no longer counts
 
 
 def test_it_shows_no_position_once_a_job_left_the_queue(models, alice, job_of):

@@ -49,7 +49,8 @@ def test_it_rebuilds_the_queue_with_the_same_order_and_positions(alice, bob, dja
     restart()
     after = positions()
 
-    assert before == after == [3, None, 2, 4, 1, 1, 2]
+    # tiny-a: alice's turn first (her oldest job), then bob's: a-p5, b-p9, a-p0, a-p0; tiny-b: alice, bob
+    assert before == after == [3, None, 1, 4, 2, 2, 1]
 
 
 @pytest.mark.django_db
@@ -109,6 +110,51 @@ async def test_it_dispatches_in_the_same_order_after_a_restart(alice, workers):
         if len(order) == 5:
             break
     assert order == [ids[3], ids[1], ids[4], ids[0], ids[2]]
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_accounts_take_turns_through_a_worker(alice, bob, carol, workers):
+    """The contract's example through a worker socket: a1..a6 then b1, b2; the worker takes a1 and
+    b1; carol's c1 joins the round after them."""
+    alices = await submit_many(alice, [0] * 6)
+    bobs = await submit_many(bob, [0, 0])
+    worker = workers("host-a:0")
+    await worker.join(["tiny-a"])
+    order = [m["job_id"] for m in await worker.jobs(2)]
+    assert order == [alices[0], bobs[0]]
+    carols = await submit_many(carol, [0])
+    assert await position(carol, carols[0]) == 3
+
+    for finished in range(7):  # each result lets the next job through
+        await worker.result(order[finished], [_png()])
+        order += [m["job_id"] for m in await worker.jobs(1)]
+    assert order[2:] == [alices[1], bobs[1], carols[0], *alices[2:]]
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_an_accounts_turn_survives_a_restart(alice, bob, workers):
+    """alice was served before bob even submitted, so her next job goes before his: she has gone
+    longest without a dispatch. The turn comes back from the database after a restart."""
+    first_two = await submit_many(alice, [0, 0])
+    worker = workers("host-a:0")
+    await worker.join(["tiny-a"])
+    assert [m["job_id"] for m in await worker.jobs(2)] == first_two
+    (bobs,) = await submit_many(bob, [0])
+    (third,) = await submit_many(alice, [0])
+    assert (await position(alice, third), await position(bob, bobs)) == (1, 2)
+
+    restart()
+    await worker.close()  # the old process's socket is gone with it
+    assert (await position(alice, third), await position(bob, bobs)) == (1, 2)
+    back = workers("host-a:0")
+    await back.join(["tiny-a"])  # it still holds alice's two
+    await back.result(first_two[0], [_png()])
+    assert [m["job_id"] for m in await back.jobs(1)] == [third]
+
+
+@database_sync_to_async
+def position(account, job_id: str) -> int | None:
+    return api_client(account).get(f"/api/v1/jobs/{job_id}/").json()["position"]
 
 
 def _png() -> str:
