@@ -17,8 +17,12 @@ if [ ! -f "$MODELS_DIR/tiny-sd/manifest.json" ]; then
     $PY manage.py make_tiny_model "$MODELS_DIR/tiny-sd" >/dev/null
 fi
 $PY manage.py load_manifests "$MODELS_DIR"/*/manifest.json | last
-api_token=$($PY manage.py create_account demo --password demo | last)
-$PY manage.py create_account admin --password admin --staff >/dev/null
+# Passwords must pass Django's validators: fresh random ones at each start (or DEMO_PASSWORD/ADMIN_PASSWORD).
+new_password() { $PY -c 'import secrets; print(secrets.token_urlsafe(12))'; }
+demo_password=${DEMO_PASSWORD:-$(new_password)}
+admin_password=${ADMIN_PASSWORD:-$(new_password)}
+api_token=$($PY manage.py create_account demo --password="$demo_password" | last)
+$PY manage.py create_account admin --password="$admin_password" --staff >/dev/null
 worker_token=$($PY manage.py create_worker_token local-cpu-worker | last)
 
 pids=()
@@ -35,8 +39,8 @@ pids+=($!)
 cat <<MSG
 
 potocolom is running at http://$HOST:$PORT/
-  drawing page and login: http://$HOST:$PORT/   (demo / demo)
-  admin:                  http://$HOST:$PORT/admin/   (admin / admin)
+  drawing page and login: http://$HOST:$PORT/   (demo / $demo_password)
+  admin:                  http://$HOST:$PORT/admin/   (admin / $admin_password)
   API token of demo:      $api_token
   try: curl -s -H "Authorization: Token $api_token" -H 'Content-Type: application/json' \\
          -d '{"params": {"prompt": "a red circle", "width": 64, "height": 64, "steps": 4, "seed": 1}}' \\

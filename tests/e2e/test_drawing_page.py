@@ -30,6 +30,7 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-backg
                  "--disable-component-update", "--disable-sync"]
 SCREENSHOT = Path("/tmp/drawing.png")
 WAIT_MS = 15_000
+ALICE_PASSWORD = "harbour-lights-at-dusk"  # passes Django's password validators (create_account applies them)
 MANIFESTS = [
     {"model_id": "tiny-sd", "tier": "draft", "cost": 1.0, "capabilities": ["txt2img", "img2img"]},
     {"model_id": "big-sd", "tier": "premium", "cost": 5.0, "capabilities": ["txt2img", "img2img"]},
@@ -132,11 +133,11 @@ class FrameWorker(threading.Thread):
 
 @pytest.fixture
 def served(tmp_path: Path) -> Iterator[tuple[Stack, FrameWorker]]:
-    """Daphne on a fresh database with alice (password "pw"), three models, and a fake worker
+    """Daphne on a fresh database with alice (password ALICE_PASSWORD), three models, and a fake worker
     holding one realtime slot per model."""
     with Stack(workdir=tmp_path) as stack:
         stack.manage("migrate", "--noinput")
-        stack.manage("create_account", "alice", "--password", "pw")
+        stack.manage("create_account", "alice", "--password", ALICE_PASSWORD)
         worker_token = stack.manage("create_worker_token", "browser-test")
         manifests = tmp_path / "manifests.json"
         manifests.write_text(json.dumps([
@@ -168,7 +169,7 @@ def test_it_draws_sees_the_output_and_is_told_about_the_session_limit(served: tu
             page.goto(f"{stack.http_url}/")
             expect(page).to_have_url(f"{stack.http_url}/accounts/login/?next=/")
             page.fill("#id_username", "alice")
-            page.fill("#id_password", "pw")
+            page.fill("#id_password", ALICE_PASSWORD)
             page.click("button[type=submit]")
             expect(page).to_have_url(f"{stack.http_url}/")
 
@@ -224,7 +225,7 @@ def log_in(page: Any, stack: Stack) -> None:
 
     page.goto(f"{stack.http_url}/")
     page.fill("#id_username", "alice")
-    page.fill("#id_password", "pw")
+    page.fill("#id_password", ALICE_PASSWORD)
     page.click("button[type=submit]")
     expect(page).to_have_url(f"{stack.http_url}/")
 

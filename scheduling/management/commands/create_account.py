@@ -1,9 +1,14 @@
-"""`manage.py create_account NAME [--password P] [--staff]`: makes or finds an account; prints its API token last."""
+"""`manage.py create_account NAME [--password P] [--staff]`: makes or finds an account; prints its API token last.
+
+A password must pass Django's AUTH_PASSWORD_VALIDATORS: a weak one exits non-zero, saying why,
+and nothing is created or changed."""
 from __future__ import annotations
 
 from typing import Any
 
 from django.contrib.auth import get_user_model
+from django.contrib.auth.password_validation import validate_password
+from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import transaction
 from rest_framework.authtoken.models import Token
@@ -23,6 +28,10 @@ class Command(BaseCommand):
         with transaction.atomic():
             account, created = get_user_model().objects.get_or_create(username=name)
             if password:
+                try:
+                    validate_password(password, user=account)
+                except ValidationError as exc:  # rolls the new account back with the transaction
+                    raise CommandError(f"password refused: {' '.join(exc.messages)}") from None
                 account.set_password(password)
             elif created:
                 account.set_unusable_password()
