@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from django.contrib import admin, messages
-from django.db.models import QuerySet
+from django.db.models import Case, IntegerField, QuerySet, Value, When
 from django.http import HttpRequest
 from django.utils import timezone
 
@@ -14,8 +14,13 @@ from scheduling.errors import JobAlreadyEnded
 from scheduling.models import Job, JobState
 
 
+QUEUE_ORDER_ROWS = 1_000  # per model, placed by the queue; any further ones follow by submission
+
+
 class QueueOrderFilter(admin.SimpleListFilter):
-    """'Queued, in dispatch order': the queue's own order (priority, then submission)."""
+    """'Queued, in dispatch order': the queue's own order (fair share: the turns between accounts,
+    then each account's priorities), which no SQL ordering can express. JobAdmin annotates each row
+    with its place (`queue_place`) and orders by it."""
 
     title = "order"
     parameter_name = "order"
@@ -25,8 +30,12 @@ class QueueOrderFilter(admin.SimpleListFilter):
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Job]) -> QuerySet[Job]:
         if self.value() == "queue":
-            return queryset.filter(state=JobState.QUEUED).order_by("model_id", "-priority", "submitted_us", "id")
+            return queryset.filter(state=JobState.QUEUED)
         return queryset
+
+
+def _in_queue_order(request: HttpRequest) -> bool:
+    return request.GET.get(QueueOrderFilter.parameter_name) == "queue"
 
 
 @admin.register(Job)
@@ -39,7 +48,18 @@ class JobAdmin(admin.ModelAdmin):
     actions = ["cancel_jobs", "requeue_jobs"]
 
     def get_ordering(self, request: HttpRequest) -> tuple[str, ...]:
+        if _in_queue_order(request):  # the changelist's ordering would override the filter's
+            return ("queue_place", "model_id", "submitted_us", "id")
         return ("-created_at",)
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Job]:
+        if not _in_queue_order(request):
+            return super().get_queryset(request)
+        order = selectors.dispatch_order(per_model=QUEUE_ORDER_ROWS)
+        place = Case(*(When(id=job_id, then=Value(n)) for n, job_id in enumerate(order)),
+                     default=Value(len(order)), output_field=IntegerField()) if order else Value(0)
+        # annotated before the ordering that names it (ModelAdmin.get_queryset orders at once)
+        return Job._default_manager.annotate(queue_place=place).order_by(*self.get_ordering(request))
 
     @admin.display(description="position")
     def position(self, job: Job) -> int | None:

@@ -259,7 +259,7 @@ def queued_rows() -> list[QueuedJob]:
         with connection.cursor() as cursor:
             cursor.execute(f"SELECT id::text, model_id, priority, submitted_us, account_id::text "
                            f"FROM {Job._meta.db_table} WHERE state = %s", [JobState.QUEUED.value])
-            return [QueuedJob._make(row) for row in cursor.fetchall()]
+            return [QueuedJob(*row) for row in cursor.fetchall()]
     rows = Job.objects.filter(state=JobState.QUEUED).values_list("id", "model_id", "priority", "submitted_us",
                                                                  "account_id")
     return [QueuedJob(str(job_id), model_id, priority, us, str(account)) for job_id, model_id, priority, us, account

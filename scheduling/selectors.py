@@ -29,6 +29,13 @@ def position_of(job: Job) -> int | None:
     return dispatcher().position(str(job.id)) if job.state == JobState.QUEUED else None
 
 
+def dispatch_order(*, per_model: int) -> list[str]:
+    """The ids of the first `per_model` queued jobs of each model, in dispatch order (model by
+    model), as the queue's turns give it: what the admin's 'Queued, in dispatch order' lists first."""
+    queues = dispatcher().queues
+    return [job.job_id for model_id in sorted(queues.counts()) for job in queues.queued(model_id)[:per_model]]
+
+
 def queue_snapshot() -> tuple[list[dict[str, Any]], dict[str, list[str]]]:
     """Queued jobs per model, and the jobs each worker connected to this process holds."""
     current = dispatcher()

@@ -1,6 +1,8 @@
 """The operator UI: staff only, and it shows manifests, jobs in queue order with positions, and workers."""
 from __future__ import annotations
 
+import re
+
 import pytest
 from django.test import Client
 from django.utils import timezone
@@ -33,18 +35,20 @@ def test_it_shows_every_operator_page_to_staff(staff_client: Client, path: str) 
     assert staff_client.get(path).status_code == 200
 
 
-def test_it_lists_queued_jobs_in_dispatch_order_with_positions(staff_client: Client, alice,
+def test_it_lists_queued_jobs_in_dispatch_order_with_positions(staff_client: Client, alice, bob,
                                                                django_capture_on_commit_callbacks) -> None:
     from scheduling.services import JobRequest, job_submit
 
     register_model("model-a")
     with django_capture_on_commit_callbacks(execute=True):
-        low = job_submit(account=alice, now=timezone.now(),
-                         request=JobRequest(params={"prompt": "low"}, model_id="model-a", priority=0))
-        high = job_submit(account=alice, now=timezone.now(),
-                          request=JobRequest(params={"prompt": "high"}, model_id="model-a", priority=5))
+        for account, priority in [(alice, 0), (alice, 5), (bob, 0), (alice, 9), (bob, 3), (alice, 0), (bob, 0),
+                                  (alice, 1), (bob, 9)]:
+            job_submit(account=account, now=timezone.now(),
+                       request=JobRequest(params={"prompt": "x"}, model_id="model-a", priority=priority))
     page = staff_client.get("/admin/scheduling/job/?order=queue").content.decode()
-    assert page.index(str(high.id)) < page.index(str(low.id))
+
+    positions = [int(cell) for cell in re.findall(r'<td class="field-position">(\d+)</td>', page)]
+    assert positions == list(range(1, 10))
 
 
 def test_it_cancels_and_requeues_jobs_from_the_admin(staff_client: Client, alice,
