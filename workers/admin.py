@@ -12,7 +12,8 @@ from workers.services import worker_tokens_revoke
 
 @admin.register(Worker)
 class WorkerAdmin(admin.ModelAdmin):
-    list_display = ["worker_id", "connected", "models_served", "jobs_in_flight", "gpu_memory", "last_seen"]
+    # `token`: the credential this worker_id is bound to (None once that token was revoked).
+    list_display = ["worker_id", "token", "connected", "models_served", "jobs_in_flight", "gpu_memory", "last_seen"]
     list_filter = ["connected"]
     readonly_fields = [f.name for f in Worker._meta.fields]
 

@@ -258,3 +258,20 @@ async def test_a_worker_last_seen_long_ago_stops_reading_as_connected(workers):
     assert await database_sync_to_async(workers_silent_forget)(seconds=40, now=later) == 1
 
     assert (await worker_row("host-a:0"))["connected"] is False
+
+
+async def test_operators_see_tokens_with_revoked_read_only_and_workers_with_their_token(workers, root_client):
+    from workers.models import WorkerToken
+
+    await workers("host-a:0").join(["tiny-a"])
+    pk = await database_sync_to_async(lambda: WorkerToken.objects.get(name="host-a").pk)()
+
+    pages = [await database_sync_to_async(root_client.get)(path) for path in (
+        "/admin/workers/workertoken/", f"/admin/workers/workertoken/{pk}/change/", "/admin/workers/worker/")]
+
+    assert [page.status_code for page in pages] == [200, 200, 200]
+    assert "host-a:0" in pages[2].content.decode() and ">host-a<" in pages[2].content.decode()
+    assert 'name="revoked"' not in pages[1].content.decode()  # revoking goes through the action
+    await database_sync_to_async(root_client.post)(f"/admin/workers/workertoken/{pk}/change/",
+                                                   {"name": "host-a", "revoked": "on"})
+    assert await database_sync_to_async(lambda: WorkerToken.objects.get(pk=pk).revoked)() is False
