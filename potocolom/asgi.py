@@ -27,9 +27,9 @@ from workers.consumers import WorkerConsumer  # noqa: E402
 # Browser-facing sockets (the session cookie may authenticate them) check the page's Origin; the
 # worker socket (tokens only) does not; any other path is refused (403), not answered with a 500.
 websocket_urls = [
-    path("ws/session/", BrowserOriginCheck(SessionConsumer.as_asgi())),
+    path("ws/session/", BrowserOriginCheck(SessionConsumer.as_asgi())),  # type: ignore[arg-type]  # an ASGI app
     path("ws/worker/", WorkerConsumer.as_asgi()),
-    re_path(r"", refuse),
+    re_path(r"", refuse),  # type: ignore[arg-type]  # channels routes ASGI apps
 ]
 
 def rebuild_queue_at_start() -> None:

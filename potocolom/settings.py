@@ -2,6 +2,7 @@
 overridden by an environment variable of the same name; a bad value fails loudly at start."""
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import warnings
@@ -84,6 +85,7 @@ if HTTPS:
 # --- the contract's settings -------------------------------------------------------------------
 JOB_DISPATCH_DEPTH = envint("JOB_DISPATCH_DEPTH", 2, minimum=1)
 ACCOUNT_SESSION_LIMIT = envint("ACCOUNT_SESSION_LIMIT", 2, minimum=1)
+ACCOUNT_JOB_LIMIT = envint("ACCOUNT_JOB_LIMIT", 200, minimum=1)  # unfinished jobs per account
 SESSION_IDLE_SECONDS = envfloat("SESSION_IDLE_SECONDS", 60.0)
 SESSION_SWEEP_SECONDS = envfloat("SESSION_SWEEP_SECONDS", 30.0)
 FRAME_BUDGET_MS = envfloat("FRAME_BUDGET_MS", 500.0)
@@ -221,7 +223,11 @@ if REDIS_URL:
         "default": {
             "BACKEND": "django.core.cache.backends.redis.RedisCache",
             "LOCATION": REDIS_URL,
-            "KEY_PREFIX": "potocolom",
+            # Its keys name accounts by id: one namespace per database, so servers on other databases
+            # sharing this Redis (tests, staging) never count each other's requests.
+            "KEY_PREFIX": "potocolom:" + hashlib.sha256(
+                f"{DATABASES['default'].get('HOST')}:{DATABASES['default'].get('PORT')}/"
+                f"{DATABASES['default'].get('NAME')}".encode()).hexdigest()[:12],
             "OPTIONS": {"socket_timeout": REDIS_CONNECT_TIMEOUT, "socket_connect_timeout": REDIS_CONNECT_TIMEOUT},
         }
     }

@@ -15,6 +15,8 @@ from django.core.cache import BaseCache, cache
 from django.http import HttpRequest, HttpResponse
 from django.urls import reverse
 
+from potocolom.web.middleware import unavailable, unavailable_response
+
 
 @dataclass
 class LoginLimiter:
@@ -65,6 +67,14 @@ class LoginFailureMiddleware:
     def __call__(self, request: HttpRequest) -> HttpResponse:
         if request.method != "POST" or request.path not in (settings.LOGIN_URL, reverse("admin:login")):
             return self.get_response(request)
+        try:
+            return self.guarded(request)
+        except Exception as exc:  # the cache (Redis) is down: 503 like the database, not 500
+            if unavailable(exc):
+                return unavailable_response(request, exc)
+            raise
+
+    def guarded(self, request: HttpRequest) -> HttpResponse:
         username = str(request.POST.get("username", ""))[:150]
         address = str(request.META.get("REMOTE_ADDR", ""))
         logins, now = limiter(), self.clock()

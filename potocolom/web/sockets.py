@@ -14,7 +14,8 @@ from urllib.parse import parse_qs, urlsplit
 
 from django.conf import settings
 from django.contrib.auth.models import AnonymousUser
-from django.http.request import is_same_domain, validate_host
+from django.http.request import validate_host
+from django.utils.http import is_same_domain
 
 Scope = dict[str, Any]
 ASGIApp = Callable[[Scope, Callable[..., Awaitable[Any]], Callable[..., Awaitable[Any]]], Awaitable[None]]
