@@ -1,8 +1,10 @@
 """Reads of the model registry, as plain manifests for the pure routing rules."""
 from __future__ import annotations
 
+from django.conf import settings
+
 from models_registry.models import ModelManifest
-from potocolom.protocol.manifests import Manifest
+from potocolom.protocol.manifests import Manifest, param_caps
 
 
 def registered_manifests() -> list[Manifest]:
@@ -16,5 +18,8 @@ def registered_ids(model_ids: list[str]) -> set[str]:
 
 
 def to_manifest(row: ModelManifest) -> Manifest:
+    """The row as routing sees it: with the API's MAX_IMAGE_SIDE and MAX_STEPS as caps on the params
+    its schema sets no maximum for."""
     return Manifest(model_id=row.model_id, tier=row.tier, cost=row.cost, capabilities=tuple(row.capabilities),
-                    pipeline=row.pipeline, source=row.source, params_schema=row.params_schema)
+                    pipeline=row.pipeline, source=row.source, params_schema=row.params_schema,
+                    caps=param_caps(max_side=settings.MAX_IMAGE_SIDE, max_steps=settings.MAX_STEPS))

@@ -5,20 +5,26 @@ import mimetypes
 import uuid
 from typing import Any
 
+from django.conf import settings
 from django.contrib.auth.models import User
 from django.core.files.storage import default_storage
-from django.http import FileResponse, Http404
+from django.db.models import Q
+from django.http import FileResponse, Http404, HttpResponse
 from django.utils import timezone
+from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.request import Request
 from rest_framework.response import Response
 
+from models_registry.errors import InvalidParams
 from potocolom.protocol.errors import InvalidRequest
 from scheduling import selectors, services
+from scheduling.images import INIT_IMAGE, ParamsWithoutImage, init_image_content, init_image_problem
 from scheduling.models import Job, JobState
 from scheduling.serializers import JobCreateSerializer, JobSerializer
+from scheduling.throttles import JobSubmitThrottle
 
 
 def account_of(request: Request) -> User:
@@ -32,11 +38,21 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
 
     serializer_class = JobSerializer
 
+    def get_throttles(self) -> list[Any]:
+        """Only submission is rate-limited: reading and cancelling stay free."""
+        return [JobSubmitThrottle()] if self.action == "create" else []
+
     def get_queryset(self) -> Any:
+        if getattr(self, "swagger_fake_view", False):  # drf-spectacular building the schema: no request
+            return Job.objects.none()
         state = self.request.query_params.get("state") if self.action == "list" else None
         if state is not None and state not in JobState.values:
             raise InvalidRequest({"state": [f"must be one of {', '.join(JobState.values)}"]})
-        return selectors.jobs_of(account=account_of(self.request), state=state)
+        jobs = selectors.jobs_of(account=account_of(self.request), state=state)
+        if self.action == "list":  # a page of jobs never loads their init_images
+            jobs = jobs.defer("params").annotate(shown_params=ParamsWithoutImage(),
+                                                 has_init_image=Q(params__has_key=INIT_IMAGE))
+        return jobs
 
     def get_object(self) -> Job:
         try:  # a malformed id is a missing job, not a 500
@@ -67,6 +83,9 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
         """Submit a job. Without model_id the cheapest model that fits tier, capabilities and params runs it."""
         body = JobCreateSerializer(data=request.data)
         body.is_valid(raise_exception=True)
+        problem = init_image_problem(body.validated_data["params"], max_pixels=settings.MAX_IMAGE_PIXELS)
+        if problem:
+            raise InvalidParams({"params": {INIT_IMAGE: [problem]}})
         job = services.job_submit(account=account_of(request), request=body.to_request(), now=timezone.now())
         job.refresh_from_db()  # a worker with room may have it already: answer with the state it is in
         self._positions = selectors.positions_of([job])
@@ -78,6 +97,18 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
         """Cancel a job that has not ended (409 when it has)."""
         job = services.job_cancel(job=self.get_object(), now=timezone.now())
         return Response(self.get_serializer(job).data)
+
+    @extend_schema(request=None, responses={(200, "image/png"): OpenApiTypes.BINARY,
+                                            (200, "image/jpeg"): OpenApiTypes.BINARY,
+                                            (200, "image/webp"): OpenApiTypes.BINARY})
+    @action(detail=True, methods=["get"], url_path="init_image", url_name="init-image")
+    def init_image(self, request: Request, pk: str | None = None) -> HttpResponse:
+        """The init_image the job was submitted with, as sent (for its own account only)."""
+        content = init_image_content(self.get_object().params)
+        if content is None:
+            raise Http404
+        data, media_type = content
+        return HttpResponse(data, content_type=media_type)
 
     @extend_schema(responses={(200, "image/png"): bytes})
     @action(detail=True, methods=["get"], url_path=r"images/(?P<index>\d+)", url_name="image")

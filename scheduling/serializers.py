@@ -10,6 +10,7 @@ from django.urls import reverse
 from rest_framework import serializers
 
 from potocolom.protocol.manifests import CAPABILITIES, TIERS
+from scheduling.images import INIT_IMAGE
 from scheduling.models import Job, JobState
 from scheduling.services import JobRequest
 
@@ -73,11 +74,27 @@ class ProgressSerializer(serializers.Serializer):
     steps = serializers.IntegerField()
 
 
+def shown_params(job: Job, *, image_url: Callable[[str], str]) -> Any:
+    """The job's params as its representation shows them: an init_image reads as the URL that serves
+    it. A job listed with ParamsWithoutImage never loaded the image (`shown_params`)."""
+    listed = getattr(job, "shown_params", None)
+    if listed is not None:
+        params, has_image = listed, bool(getattr(job, "has_init_image", False))
+    else:
+        params = job.params
+        has_image = isinstance(params, dict) and INIT_IMAGE in params
+    if not has_image or not isinstance(params, dict):
+        return params
+    return {**params, INIT_IMAGE: image_url(reverse("job-init-image", kwargs={"pk": job.id}))}
+
+
 def job_payload(job: Job, *, position: int | None, image_url: Callable[[str], str]) -> dict[str, Any]:
     """A job as the contract shows it, built by hand: DRF's ModelSerializer spends ~2.5 ms a job
-    building its fields, which is most of a submit's time on a small machine."""
+    building its fields, which is most of a submit's time on a small machine. It never carries an
+    image: params.init_image and images are URLs."""
     return {
-        "id": str(job.id), "state": job.state, "model_id": job.model_id, "params": job.params,
+        "id": str(job.id), "state": job.state, "model_id": job.model_id,
+        "params": shown_params(job, image_url=image_url),
         "priority": job.priority, "attempts": job.attempts,
         "position": position if job.state == JobState.QUEUED else None, "worker_id": job.worker_id,
         "created_at": _iso(job.created_at), "started_at": _iso(job.started_at), "finished_at": _iso(job.finished_at),
@@ -106,6 +123,7 @@ class JobSerializer(serializers.ModelSerializer):
     progress = ProgressSerializer(read_only=True, allow_null=True,
                                   help_text="the worker's last job_progress: denoising step `step` of `steps`")
     rung = serializers.CharField(read_only=True, allow_null=True, help_text="the memory rung the result ran on")
+    params = serializers.JSONField(read_only=True, help_text="as submitted, except init_image: the URL serving it")
 
     class Meta:
         model = Job

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,6 +14,8 @@ from jsonschema.validators import validator_for
 TIERS = ("draft", "standard", "premium")
 CAPABILITIES = ("txt2img", "img2img")
 REQUIRED_FIELDS = ("model_id", "tier", "cost", "capabilities", "pipeline", "source", "params_schema")
+SIDE_PARAMS = ("width", "height")
+STEPS_PARAM = "steps"
 
 
 class ManifestError(ValueError):
@@ -28,6 +31,9 @@ class Manifest:
     pipeline: str
     source: str
     params_schema: dict[str, Any] = field(hash=False, compare=False)
+    # Caps on params the schema sets no maximum for (the API's MAX_IMAGE_SIDE and MAX_STEPS); see
+    # param_caps(). Empty: the schema alone decides.
+    caps: Mapping[str, int] = field(default_factory=dict, hash=False, compare=False)
 
 
 def parse_manifest_file(data: bytes, *, origin: str) -> list[Manifest]:
@@ -94,11 +100,43 @@ def parse_manifest(item: Any, *, origin: str) -> Manifest:
                     pipeline=item["pipeline"], source=item["source"], params_schema=schema)
 
 
-def params_errors(schema: dict[str, Any], params: Any) -> list[str]:
-    """The schema's complaints about params, as messages naming the place ('' when none)."""
+def param_caps(*, max_side: int, max_steps: int) -> dict[str, int]:
+    """The caps for width, height and steps, for a schema that sets no maximum of its own."""
+    return {**{name: max_side for name in SIDE_PARAMS}, STEPS_PARAM: max_steps}
+
+
+def complaints(schema: dict[str, Any], params: Any, *,
+               caps: Mapping[str, int] | None = None) -> list[tuple[list[str], str]]:
+    """The schema's complaints about params (the path to the place, the message), then each cap of
+    `caps` that a param exceeds while its schema sets no maximum (or exclusiveMaximum) of its own."""
     validator = validator_for(schema)(schema)
-    messages = []
-    for error in sorted(validator.iter_errors(params), key=lambda e: list(e.absolute_path)):
-        where = "/".join(str(p) for p in error.absolute_path)
-        messages.append(f"{where}: {error.message}" if where else error.message)
-    return messages
+    found = [([str(p) for p in error.absolute_path], error.message)
+             for error in sorted(validator.iter_errors(params), key=lambda e: list(e.absolute_path))]
+    if caps and isinstance(params, dict):
+        properties = schema.get("properties")
+        declared = properties if isinstance(properties, dict) else {}
+        for name, cap in caps.items():
+            own = declared.get(name)
+            if isinstance(own, dict) and ("maximum" in own or "exclusiveMaximum" in own):
+                continue
+            value = params.get(name)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value > cap:
+                found.append(([name], f"{value} is greater than the maximum of {cap}"))
+    return found
+
+
+def params_errors(schema: dict[str, Any], params: Any, *, caps: Mapping[str, int] | None = None) -> list[str]:
+    """The complaints about params as messages naming the place ('' when none)."""
+    return [f"{'/'.join(path)}: {message}" if path else message
+            for path, message in complaints(schema, params, caps=caps)]
+
+
+def params_problems(schema: dict[str, Any], params: Any, *,
+                    caps: Mapping[str, int] | None = None) -> dict[str, list[str]]:
+    """The complaints about params by the param they concern ("params" for the object as a whole,
+    such as a missing required field)."""
+    problems: dict[str, list[str]] = {}
+    for path, message in complaints(schema, params, caps=caps):
+        inner = "/".join(path[1:])
+        problems.setdefault(path[0] if path else "params", []).append(f"{inner}: {message}" if inner else message)
+    return problems

@@ -161,3 +161,60 @@ def test_it_names_a_manifest_file_that_is_not_utf8(tmp_path: Path):
 
     with pytest.raises(ManifestError, match=re.escape(str(path))):
         read_manifest_file(path)
+
+
+# --- caps for params a schema leaves open, and what each candidate refused --------------------
+
+OPEN_SCHEMA = {"type": "object", "required": ["prompt"],
+               "properties": {"prompt": {"type": "string"}, "width": {"type": "integer"},
+                              "steps": {"type": "integer", "minimum": 1}}}
+CAPS = {"width": 2048, "height": 2048, "steps": 150}
+
+
+def open_model(model_id: str, cost: float = 1.0, schema: dict | None = None) -> Manifest:
+    return Manifest(model_id=model_id, tier="draft", cost=cost, capabilities=("txt2img",),
+                    pipeline="StableDiffusionPipeline", source=f"models/{model_id}",
+                    params_schema=schema or OPEN_SCHEMA, caps=CAPS)
+
+
+@pytest.mark.parametrize(("params", "refused"), [
+    ({"width": 2048, "height": 2048, "steps": 150}, {}),
+    ({"width": 2049}, {"width"}),
+    ({"height": 4096}, {"height"}),  # not even declared by the schema: capped all the same
+    ({"steps": 151}, {"steps"}),
+    ({"width": 1e9, "steps": 1000}, {"width", "steps"}),
+])
+def test_a_schema_without_a_maximum_gets_the_caps(params, refused):
+    [model] = [open_model("open")]
+
+    if not refused:
+        assert route([model], model_id="open", params={**PROMPT, **params}) == model
+        return
+    with pytest.raises(InvalidParams) as raised:
+        route([model], model_id="open", params={**PROMPT, **params})
+    assert {message.split(":")[0] for message in raised.value.detail["params"]} == refused
+
+
+def test_a_schema_s_own_maximum_wins_over_the_cap():
+    schema = {"type": "object", "properties": {"width": {"type": "integer", "maximum": 8192},
+                                               "steps": {"type": "integer", "exclusiveMaximum": 500}}}
+    model = open_model("big", schema=schema)
+
+    assert route([model], model_id="big", params={"width": 8192, "steps": 499}) == model
+
+
+def test_without_model_id_the_detail_names_what_each_candidate_refused():
+    catalogue = [open_model("open-a"), open_model("open-b", cost=2.0, schema={
+        "type": "object", "properties": {"width": {"type": "integer", "enum": [64, 128]}}}),
+        manifest("premium-xl", "premium", 5.0, ("txt2img",), [512])]
+
+    with pytest.raises(NoMatchingModel) as raised:
+        route(catalogue, tier="draft", params={"width": 4096})
+
+    assert raised.value.code == "no_matching_model"
+    detail = raised.value.detail
+    assert "no registered model fits" in detail["message"]
+    assert set(detail["candidates"]) == {"open-a", "open-b"}  # premium-xl is not of the tier asked for
+    assert set(detail["candidates"]["open-a"]) == {"params", "width"}  # prompt missing, width over the cap
+    assert detail["candidates"]["open-a"]["width"] == ["4096 is greater than the maximum of 2048"]
+    assert set(detail["candidates"]["open-b"]) == {"width"}
