@@ -205,7 +205,7 @@ def main() -> None:
     print(f"database: {'PostgreSQL' if os.environ.get('DATABASE_URL', '').startswith('postgres') else 'SQLite'}, "
           f"channel layer: {'Redis' if os.environ.get('REDIS_URL') else 'in-memory'}, {args.jobs} jobs\n")
     # One account submits every job as fast as it can: lift its submission rate out of the way.
-    with Stack(JOB_SUBMIT_RATE="1000000/minute") as stack:
+    with Stack(JOB_SUBMIT_RATE="1000000/minute", ACCOUNT_JOB_LIMIT="1000000") as stack:
         account_token, worker_token = stack.prepare()
         stack.register(fake_manifest(MODEL))
         stack.start_api()

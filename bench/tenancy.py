@@ -1,5 +1,13 @@
 """Safe to share, measured: parts chosen by name, each against its own baseline from the same run.
 
+  fairness   (a) fair share: three accounts on one model served by two workers (each job takes
+             --service-ms of pretend GPU time). bob and carol submit at a steady rate; their job
+             wait (POST -> the `job` message at a worker) p95 is measured without a flood, then with
+             alice's 1,000 jobs queued just before. Goal: with the flood <= 1.5x without. Also
+             printed: where FIFO would have put their first job (behind the whole flood).
+
+    .venv/bin/python bench/tenancy.py fairness [--flood 1000] [--steady 60] [--service-ms 20]
+
   admission  (b) admission at scale: with Q sessions queued (100, 1,000, 2,000), the p95 of a join
              (socket open -> its `queued` position) and of "head leaves -> the last queued session
              hears its new place", on one API process and on two (the queued browsers split across
@@ -17,6 +25,7 @@ import asyncio
 import contextlib
 import json
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -30,7 +39,8 @@ os.environ.setdefault("REDIS_URL", "redis://127.0.0.1:6379/9")
 
 import websockets  # noqa: E402
 
-from tests.support.stack import Stack, fake_manifest  # noqa: E402
+from bench.dispatch import KeepAliveClient  # noqa: E402
+from tests.support.stack import TINY_PNG_B64, Stack, fake_manifest  # noqa: E402
 
 MODEL = "tenancy-bench"
 
@@ -102,7 +112,118 @@ def admission(args: argparse.Namespace) -> None:
                       f"goal <= 2x: {'met' if ratio <= 2 else 'NOT met'}")
 
 
-PARTS: dict[str, Callable[[argparse.Namespace], None]] = {"admission": admission}
+class PretendWorker:
+    """A worker socket whose GPU is a timer: it runs the jobs it holds one at a time, each for
+    `service_ms`, and notes when each `job` message arrived."""
+
+    def __init__(self, url: str, name: str, service_ms: float) -> None:
+        self.url, self.name, self.service_ms = url, name, service_ms
+        self.arrived: dict[str, float] = {}
+        self.ready = asyncio.Event()
+
+    async def run(self) -> None:
+        waiting: asyncio.Queue[str] = asyncio.Queue()
+        async with websockets.connect(self.url, max_size=None, compression=None) as ws:
+            await ws.send(json.dumps({"type": "hello", "worker_id": self.name, "gpu": None, "models": [
+                {"model_id": MODEL, "rung": "full", "realtime": False, "frame_ms_p95": None, "realtime_slots": 0}]}))
+
+            async def gpu() -> None:
+                while True:
+                    job_id = await waiting.get()
+                    await ws.send(json.dumps({"type": "job_started", "job_id": job_id}))
+                    await asyncio.sleep(self.service_ms / 1000)  # the pretend denoising
+                    await ws.send(json.dumps({"type": "job_result", "job_id": job_id, "images": [TINY_PNG_B64],
+                                              "gpu_ms": self.service_ms, "rung": "full"}))
+
+            running = asyncio.create_task(gpu())
+            try:
+                async for raw in ws:
+                    message = json.loads(raw)
+                    if message["type"] == "welcome":
+                        self.ready.set()
+                    elif message["type"] == "job":
+                        self.arrived[message["job_id"]] = time.perf_counter()
+                        waiting.put_nowait(message["job_id"])
+            finally:
+                running.cancel()
+
+
+async def fairness_run(stack: Stack, tokens: dict[str, str], worker_token: str, *, flood: int, steady: int,
+                       interval_s: float, service_ms: float) -> tuple[list[float], int | None]:
+    """bob's and carol's job waits (ms), with `flood` jobs of alice's queued first; and the position
+    bob's first job was given."""
+    workers = [PretendWorker(f"{stack.ws_url}/ws/worker/?token={worker_token}", f"fair-{n}:0", service_ms)
+               for n in range(2)]
+    tasks = [asyncio.create_task(w.run()) for w in workers]
+    await asyncio.gather(*(w.ready.wait() for w in workers))
+    clients = {name: [KeepAliveClient("127.0.0.1", stack.port, token) for _ in range(4)]
+               for name, token in tokens.items()}
+
+    async def submit(client: KeepAliveClient, n: int) -> dict[str, Any]:
+        status, job = await client.post("/api/v1/jobs/", {"model_id": MODEL, "params": {"prompt": f"job {n}"}})
+        assert status == 201, job
+        return job
+
+    async def flood_with(client: KeepAliveClient, numbers: range) -> None:
+        for n in numbers:
+            await submit(client, n)
+
+    if flood:
+        share = -(-flood // 4)
+        await asyncio.gather(*(flood_with(client, range(k * share, min(flood, (k + 1) * share)))
+                               for k, client in enumerate(clients["alice"])))
+    waits: list[float] = []
+    first_position: list[int | None] = []
+
+    async def steady_account(name: str, offset: float) -> None:
+        await asyncio.sleep(offset)
+        client = clients[name][0]
+        for n in range(steady):
+            started = time.perf_counter()
+            job = await submit(client, n)
+            if not first_position:
+                first_position.append(job["position"])
+            job_id = str(job["id"])
+            while not any(job_id in w.arrived for w in workers):
+                await asyncio.sleep(0.001)
+            arrived = next(w.arrived[job_id] for w in workers if job_id in w.arrived)
+            waits.append((arrived - started) * 1000)
+            await asyncio.sleep(max(0.0, interval_s - (time.perf_counter() - started)))
+
+    await asyncio.gather(steady_account("bob", 0.0), steady_account("carol", interval_s / 2))
+    for group in clients.values():
+        for client in group:
+            await client.close()
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return waits, first_position[0] if first_position else None
+
+
+def fairness(args: argparse.Namespace) -> None:
+    print(f"(a) fair share: 2 workers x {args.service_ms:.0f} ms a job; bob and carol {args.steady} jobs each, "
+          f"one every {args.interval_ms:.0f} ms; alice floods {args.flood}")
+    figures: dict[str, float] = {}
+    for label, flood in (("without the flood", 0), ("with the flood", args.flood)):
+        # a fresh stack each: the second run must not inherit the first's queue or turns
+        with Stack(JOB_SUBMIT_RATE="1000000/minute", ACCOUNT_JOB_LIMIT=str(args.flood + 10)) as stack:
+            alice, worker_token = stack.prepare()
+            tokens = {"alice": alice, "bob": stack.manage("create_account", "bob"),
+                      "carol": stack.manage("create_account", "carol")}
+            stack.register(fake_manifest(MODEL))
+            stack.start_api()
+            waits, first = asyncio.run(fairness_run(stack, tokens, worker_token, flood=flood, steady=args.steady,
+                                                    interval_s=args.interval_ms / 1000, service_ms=args.service_ms))
+        figures[label] = percentile(waits, 95)
+        print(f"  {label:<18} bob's and carol's wait p50 {statistics.median(waits):8.2f} ms   "
+              f"p95 {figures[label]:8.2f} ms   max {max(waits):8.2f} ms   bob's first job at position {first}")
+    ratio = figures["with the flood"] / figures["without the flood"]
+    fifo_s = args.flood * args.service_ms / 2 / 1000
+    print(f"  with the flood vs without: {ratio:.2f}x   goal <= 1.5x: {'met' if ratio <= 1.5 else 'NOT met'}")
+    print(f"  (in submission order, bob's first job would have waited behind all {args.flood}: ~{fifo_s:.1f} s)")
+
+
+PARTS: dict[str, Callable[[argparse.Namespace], None]] = {"fairness": fairness, "admission": admission}
 
 
 def main() -> None:
@@ -110,6 +231,10 @@ def main() -> None:
     parser.add_argument("parts", nargs="*", default=list(PARTS), help=f"which parts: {', '.join(PARTS)} (all)")
     parser.add_argument("--sizes", default="100,1000,2000", help="admission: queued sessions, comma-separated")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--flood", type=int, default=1000, help="fairness: alice's jobs queued at once")
+    parser.add_argument("--steady", type=int, default=60, help="fairness: jobs each of bob and carol submits")
+    parser.add_argument("--interval-ms", type=float, default=100.0, help="fairness: between one account's jobs")
+    parser.add_argument("--service-ms", type=float, default=20.0, help="fairness: pretend GPU time of a job")
     args = parser.parse_args()
     unknown = [part for part in args.parts if part not in PARTS]
     if unknown:
