@@ -91,7 +91,8 @@ class WorkerConsumer(RelayConsumer):
 
     async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
         """Parse a message and hand it to its handler; a bad message is logged, never fatal, and so
-        is a database or storage error (the socket stays; a v2 worker sends an unacked result again)."""
+        is a database or storage error after the hello (the socket stays; a v2 worker sends an
+        unacked result again). A hello that fails so ends the connection: the worker says it again."""
         if self.credential is None or self.lost:
             return
         self.last_seen = time.monotonic()
@@ -99,19 +100,27 @@ class WorkerConsumer(RelayConsumer):
             message = parse_worker_message(json.loads(text_data or ""))
             if isinstance(message, Hello):
                 await self.on_hello(message)
-            elif self.worker_id is None:
+                return
+            if self.worker_id is None:
                 raise MessageError("the first message must be hello")
-            elif isinstance(message, FrameResult):
+            await self.on_message(message)
+        except (ValueError, MessageError) as exc:
+            log.warning("worker %s: bad message: %s", self.worker_id or "(no hello)", exc)
+
+    async def on_message(self, message: WorkerMessage) -> None:
+        """Any message after the hello."""
+        try:
+            if isinstance(message, FrameResult):
                 await self.on_frame_result(message)
             elif isinstance(message, (JobResult, JobFailed)):
                 await self.on_final(message)
             elif not isinstance(message, Heartbeat):
                 await database_sync_to_async(self.handle)(message)
             await self.heard()
-        except (ValueError, MessageError) as exc:
-            log.warning("worker %s: bad message: %s", self.worker_id or "(no hello)", exc)
+        except (ValueError, MessageError):
+            raise
         except Exception:
-            log.exception("worker %s: a message could not be handled", self.worker_id or "(no hello)")
+            log.exception("worker %s: a %s could not be handled", self.worker_id, message.type)
 
     async def heard(self) -> None:
         """Its row's last_seen moves with its messages, written at most once a heartbeat period."""
