@@ -44,6 +44,7 @@ def rebuild_queue_at_start() -> None:
 
 if settings.QUEUE_REBUILD_AT_START:
     threading.Thread(target=rebuild_queue_at_start, name="queue-rebuild", daemon=True).start()
+if settings.DEAD_WORKER_SWEEP:
     # Dead workers are found by every served process, whether or not a socket is open on it.
     from workers.sweeper import dead_worker_sweep_start  # noqa: E402
 

@@ -102,6 +102,9 @@ if JOB_QUEUE not in ("memory", "redis") or (JOB_QUEUE == "redis" and not REDIS_U
     raise ImproperlyConfigured(f"JOB_QUEUE must be memory, or redis with REDIS_URL set; got {JOB_QUEUE!r}")
 # Rebuild the job queue from the database as the API process starts, not at the first worker's hello.
 QUEUE_REBUILD_AT_START = envbool("QUEUE_REBUILD_AT_START", True)
+# A served process finds dead workers itself (workers/sweeper.py), whatever is connected to it;
+# the test process, which imports potocolom.asgi without serving, switches it off.
+DEAD_WORKER_SWEEP = envbool("DEAD_WORKER_SWEEP", True)
 # A browser message over this closes the socket with 4009; worker messages carry whole images.
 BROWSER_MESSAGE_MAX_BYTES = 4 * 1024 * 1024
 

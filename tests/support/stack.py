@@ -27,6 +27,8 @@ DAPHNE_OPTIONS = ("--websocket-max-message-size", "16777216", "--websocket-max-f
 CONTRACT_SETTINGS = ("DATABASE_URL", "REDIS_URL", "JOB_DISPATCH_DEPTH", "ACCOUNT_SESSION_LIMIT",
                      "SESSION_IDLE_SECONDS", "SESSION_SWEEP_SECONDS", "FRAME_BUDGET_MS",
                      "WORKER_HEARTBEAT_SECONDS", "MEMORY_MODE", "DJANGO_SETTINGS_MODULE")
+# What the test process sets for itself (tests/environment.py) and a served process must not inherit.
+TEST_PROCESS_SETTINGS = ("QUEUE_REBUILD_AT_START", "DEAD_WORKER_SWEEP")
 
 
 def free_port() -> int:
@@ -81,7 +83,7 @@ class Stack:
         self.processes: list[Process] = []
         self.apis: dict[int, Process] = {}  # port -> its Daphne
         self.database_url, self._drop = self._fresh_database()
-        env = {k: v for k, v in os.environ.items() if k not in CONTRACT_SETTINGS}
+        env = {k: v for k, v in os.environ.items() if k not in CONTRACT_SETTINGS + TEST_PROCESS_SETTINGS}
         env.update({"PYTHONUNBUFFERED": "1", "DATABASE_URL": self.database_url,
                     "MEDIA_ROOT": str(self.workdir / "media"), **settings})
         if os.environ.get("REDIS_URL"):
