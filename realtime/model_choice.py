@@ -30,7 +30,7 @@ def params_fit(manifest: Manifest, params: dict[str, Any]) -> list[str]:
     the prompt, come with each frame)."""
     properties = manifest.params_schema.get("properties", {}) if isinstance(manifest.params_schema, dict) else {}
     schema = {"type": "object", "properties": {k: v for k, v in properties.items() if k in params}}
-    return params_errors(schema, params)
+    return params_errors(schema, params, caps=manifest.caps)  # MAX_IMAGE_SIDE/MAX_STEPS for an open schema
 
 
 def pick_session_model(manifests: Sequence[Manifest], query: Mapping[str, str]) -> tuple[Manifest, dict[str, int]]:

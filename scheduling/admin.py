@@ -13,7 +13,6 @@ from scheduling import selectors, services
 from scheduling.errors import JobAlreadyEnded
 from scheduling.models import Job, JobState
 
-
 QUEUE_ORDER_ROWS = 1_000  # per model, placed by the queue; any further ones follow by submission
 
 

@@ -248,7 +248,8 @@ def _load(current: Dispatcher, *, now: datetime) -> None:
     for job_id, worker_id in Job.objects.filter(state__in=HELD_STATES).values_list("id", "worker_id"):
         held.setdefault(worker_id or "", set()).add(str(job_id))
     # A worker that held jobs gets the contract's dead-worker window to reconnect.
-    current.load(queued=queued_rows, turns=turn_rows, held=held, deadline=now + timedelta(seconds=4 * settings.WORKER_HEARTBEAT_SECONDS))
+    current.load(queued=queued_rows, turns=turn_rows, held=held,
+                 deadline=now + timedelta(seconds=4 * settings.WORKER_HEARTBEAT_SECONDS))
     log.info("rebuilt the job queue from the database: %d queued, %d held, in %.0f ms", len(current.queues),
              sum(len(jobs) for jobs in held.values()), (time.perf_counter() - started) * 1000)
 
@@ -282,8 +283,9 @@ def queues_from_settings() -> JobQueues:
         return MemoryQueues()
     database = f"{connection.vendor}:{connection.settings_dict.get('HOST') or ''}:{connection.settings_dict['NAME']}"
     prefix = f"potocolom:{hashlib.sha1(database.encode()).hexdigest()[:12]}:jobs"
-    return RecoveringQueues(RedisQueues(redis_client_from_url(settings.REDIS_URL or ""), prefix), queued_rows,
-                            turn_rows)
+    client = redis_client_from_url(settings.REDIS_URL or "", socket_connect_timeout=settings.REDIS_CONNECT_TIMEOUT,
+                                   socket_timeout=settings.REDIS_READ_TIMEOUT)  # DATABASE_TIMEOUT_SECONDS
+    return RecoveringQueues(RedisQueues(client, prefix), queued_rows, turn_rows)
 
 
 def reset_dispatcher() -> None:

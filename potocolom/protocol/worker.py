@@ -113,8 +113,8 @@ class Hello(Message):
     jobs: tuple[str, ...] = ()
 
     def to_wire(self) -> dict[str, Any]:
-        wire = {"type": self.type, "worker_id": self.worker_id, "gpu": self.gpu,
-                "models": [m.to_wire() for m in self.models]}
+        wire: dict[str, Any] = {"type": self.type, "worker_id": self.worker_id, "gpu": self.gpu,
+                                "models": [m.to_wire() for m in self.models]}
         if self.protocol >= PROTOCOL_V2:
             wire.update(protocol=self.protocol, jobs=list(self.jobs))
         return wire

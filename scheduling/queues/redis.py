@@ -39,8 +39,10 @@ class QueueRebuildTimedOut(QueueLost):
 
 
 def redis_client_from_url(url: str, **options: Any) -> redis.Redis:
-    """A client for `url` (redis://host:port/db) as RedisQueues expects it: short connect timeout."""
+    """A client for `url` (redis://host:port/db) as RedisQueues expects it: a short connect timeout,
+    and a read timeout so a stuck Redis fails the call (503 for a request) instead of hanging it."""
     options.setdefault("socket_connect_timeout", 2.0)
+    options.setdefault("socket_timeout", 10.0)
     options.setdefault("health_check_interval", 30)
     return redis.Redis.from_url(url, **options)
 

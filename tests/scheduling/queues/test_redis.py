@@ -147,7 +147,8 @@ def test_it_pops_the_oldest_turn_across_the_models_a_worker_serves(queues):
 
     assert queues.peek_for(["a", "b"]) == job("a1", model="a", at=1)
     assert queues.pop_for(["a", "b"], at_us=5) == job("a1", model="a", at=1)._replace(turn_us=5)
-    assert queues.pop_for(iter(["a", "b", "nobody"])) == job("b-urgent", model="b", priority=3, at=2)._replace(turn_us=3)
+    urgent = job("b-urgent", model="b", priority=3, at=2)
+    assert queues.pop_for(iter(["a", "b", "nobody"])) == urgent._replace(turn_us=3)
     assert queues.pop_for(["a", "b"]) is None
     assert queues.pop_for([]) is None and queues.peek_for([]) is None
     assert ids(queues.queued("c")) == ["c1"]
