@@ -33,8 +33,9 @@ class InboxOverflow(RuntimeError):
 class Inbox:
     """A consumer's inbox, bounded. Control messages (states, placements, session_end, cancels)
     keep their order and are never dropped; a frame waits in one slot per session, which a later
-    frame (by seq) of that session takes over in place (only the newest is kept); the client socket's
-    messages make their feed wait while CLIENT_MAX of them are waiting. docs/design/bus.md."""
+    frame (by seq) of that session takes over in place (only the newest is kept); a `queued`
+    position not yet sent is replaced by a newer one while nothing else came after it; the client
+    socket's messages make their feed wait while CLIENT_MAX of them are waiting. docs/design/bus.md."""
 
     def __init__(self, *, control_max: int = CONTROL_MAX, client_max: int = CLIENT_MAX) -> None:
         self.control_max, self.client_max = control_max, client_max
@@ -43,13 +44,24 @@ class Inbox:
         self._controls = 0
         self._clients = 0
         self._changed = asyncio.Event()
-        self.replaced = 0  # frames dropped for a newer one of their session
+        self._position: _Held | None = None  # a queued position not yet sent, nothing else after it
+        self.replaced = 0  # frames (and queued positions) dropped for a newer one
 
     def __len__(self) -> int:
         return len(self._items)
 
     def put_nowait(self, message: Any) -> None:
         """From a sender on the consumer's loop (or scheduled there from a thread)."""
+        if isinstance(message, dict) and is_position(message):
+            if self._position is not None:  # only the newest place is worth telling
+                self._position.message = message
+                self.replaced += 1
+                return
+            self._position = _Held(message)
+            self._controls += 1
+            self._items.append(self._position)
+            self._changed.set()
+            return
         key = frame_key(message) if isinstance(message, dict) else None
         if key is not None:
             if key in self._frames:
@@ -67,6 +79,7 @@ class Inbox:
         else:
             self._controls += 1
             self._items.append(message)
+            self._position = None  # a place told later must come after this message, not before
         self._changed.set()
 
     async def put_from_client(self, message: Any) -> None:
@@ -90,7 +103,27 @@ class Inbox:
             self._clients -= 1
             return item.message
         self._controls -= 1
+        if isinstance(item, _Held):
+            if item is self._position:
+                self._position = None
+            return item.message
         return item
+
+
+class _Held:
+    """A queued position waiting in the inbox; a newer one replaces its message in place."""
+
+    __slots__ = ("message",)
+
+    def __init__(self, message: dict[str, Any]) -> None:
+        self.message = message
+
+
+def is_position(message: dict[str, Any]) -> bool:
+    """A `queued` state for a browser: after a burst of queue moves (a thousand sessions leaving at
+    once) only the newest is worth sending, so a waiting one is replaced rather than queued behind."""
+    inner = message.get("message") if message.get("type") == "socket.send" else None
+    return isinstance(inner, dict) and inner.get("type") == "state" and inner.get("state") == "queued"
 
 
 class _Slot:

@@ -118,6 +118,25 @@ async def test_an_inbox_keeps_the_newest_frame_per_session_and_every_control_mes
         ("socket.send", "session_end", None)]
 
 
+def queued(position: int) -> dict:
+    return {"type": "socket.send", "message": {"type": "state", "state": "queued", "position": position}}
+
+
+async def test_an_inbox_tells_only_the_newest_of_a_burst_of_positions_and_never_one_out_of_order():
+    inbox = relay.Inbox()
+    for position in range(1000, 500, -1):  # 500 sessions ahead left at once
+        inbox.put_nowait(queued(position))
+    live = {"type": "socket.send", "message": {"type": "state", "state": "live", "model_id": "m", "worker_id": "w"}}
+    inbox.put_nowait(live)
+    inbox.put_nowait(queued(7))  # sent back to the queue after going live: told after `live`
+    inbox.put_nowait(queued(6))
+
+    got = [(await inbox.get())["message"] for _ in range(len(inbox))]
+
+    assert got == [queued(501)["message"], live["message"], queued(6)["message"]]
+    assert inbox.replaced == 499 + 1
+
+
 async def test_an_inbox_of_a_stuck_consumer_fails_it_rather_than_drop_a_control_message():
     inbox = relay.Inbox(control_max=3)
     for n in range(5):
