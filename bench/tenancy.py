@@ -39,15 +39,10 @@ os.environ.setdefault("REDIS_URL", "redis://127.0.0.1:6379/9")
 
 import websockets  # noqa: E402
 
-from bench.dispatch import KeepAliveClient  # noqa: E402
+from bench.dispatch import KeepAliveClient, percentile  # noqa: E402
 from tests.support.stack import TINY_PNG_B64, Stack, fake_manifest  # noqa: E402
 
 MODEL = "tenancy-bench"
-
-
-def percentile(values: list[float], p: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
 
 
 async def position_of(ws: Any, timeout: float = 120.0) -> int:
@@ -68,11 +63,14 @@ async def admission_at(ports: list[int], account: str, queued: int, repeats: int
     moves: list[float] = []
     try:
         for n in range(queued):
-            sockets.append(await websockets.connect(urls[n % len(urls)], compression=None, open_timeout=60))
+            # max_queue=None: these browsers never read their positions, and a full queue would stop
+            # the client reading its socket (and so its close handshake) after 16 of them
+            sockets.append(await websockets.connect(urls[n % len(urls)], compression=None, open_timeout=60,
+                                                    max_queue=None))
             await position_of(sockets[-1])
         for n in range(repeats):
             started = time.perf_counter()  # a join at the tail: only its own position is new
-            ws = await websockets.connect(urls[n % len(urls)], compression=None, open_timeout=60)
+            ws = await websockets.connect(urls[n % len(urls)], compression=None, open_timeout=60, max_queue=None)
             await position_of(ws)
             joins.append((time.perf_counter() - started) * 1000)
             sockets.append(ws)
@@ -82,14 +80,33 @@ async def admission_at(ports: list[int], account: str, queued: int, repeats: int
             await position_of(last)
             moves.append((time.perf_counter() - started) * 1000)
     finally:
-        await asyncio.gather(*(ws.close() for ws in sockets), return_exceptions=True)
+        # the tail first, a few at a time: no one left behind moves, so tearing down costs what it
+        # removes (the head first would tell every remaining session its place at every close)
+        for start in range(len(sockets), 0, -50):
+            await asyncio.gather(*(ws.close() for ws in sockets[max(0, start - 50):start]), return_exceptions=True)
+        await settled(urls)
     return joins, moves
+
+
+async def settled(urls: list[str], timeout: float = 300.0) -> None:
+    """Wait until every API process answers a join at once again (the closes before are handled)."""
+    deadline = time.monotonic() + timeout
+    for url in urls:
+        while True:
+            try:
+                async with websockets.connect(url, compression=None, open_timeout=10, max_queue=None) as ws:
+                    await position_of(ws, timeout=10)
+                    break
+            except (OSError, TimeoutError, websockets.InvalidMessage, websockets.ConnectionClosed):
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.5)
 
 
 def admission(args: argparse.Namespace) -> None:
     sizes = [int(size) for size in args.sizes.split(",")]
     print(f"(b) admission at scale: queued sessions {sizes}, {args.repeats} joins and head departures each")
-    with Stack(api_processes=1, ACCOUNT_SESSION_LIMIT=str(max(sizes) + args.repeats + 10),
+    with Stack(api_processes=1, ACCOUNT_SESSION_LIMIT=str(2 * (max(sizes) + args.repeats) + 100),
                SESSION_IDLE_SECONDS="3600", SESSION_SWEEP_SECONDS="3600") as stack:
         account, _ = stack.prepare()
         stack.register(fake_manifest(MODEL, ("txt2img", "img2img")))

@@ -1,16 +1,112 @@
-"""How often an account may submit jobs (JOB_SUBMIT_RATE): DRF's own throttle over Django's
-cache, which is Redis when REDIS_URL is set, so the rate holds across every API process."""
+"""How often an account may submit jobs (JOB_SUBMIT_RATE): a DRF throttle over Django's cache,
+which is Redis when REDIS_URL is set, so the rate holds across every API process.
+
+DRF's own SimpleRateThrottle keeps the time of every request of the window in one cached list,
+read, unpickled, trimmed, pickled and written back whole at each request: at the default 600 a
+minute that is 600 floats each way on the submit path, and more the higher the rate (bench/scale.py
+lost a third of its jobs/s to it). This one keeps two counters per account, this window's and the
+last one's, and estimates the requests of the sliding window from them (the last window's count
+weighted by how much of it the sliding window still covers). With REDIS_URL the check and the count
+are one Lua script (one round trip; Django's cache would take three, each building a client);
+without it, Django's cache (this process's memory)."""
 from __future__ import annotations
+
+import math
+import threading
+from typing import Any
 
 from django.conf import settings
 from rest_framework.throttling import UserRateThrottle
+
+from scheduling.queues.redis import redis_client_from_url
+
+# KEYS[1] this window's counter, KEYS[2] the last one's; ARGV[1] limit, ARGV[2] elapsed (0..1),
+# ARGV[3] the counter's lifetime (s) -> {1, 0, 0} allowed (and counted), or {0, previous, current}
+_SLIDING = """
+local previous = tonumber(redis.call('GET', KEYS[2]) or '0')
+local current = tonumber(redis.call('GET', KEYS[1]) or '0')
+if previous * (1 - tonumber(ARGV[2])) + current >= tonumber(ARGV[1]) then return {0, previous, current} end
+redis.call('INCR', KEYS[1])
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+return {1, 0, 0}
+"""
+_redis: tuple[str, Any] | None = None
+_redis_lock = threading.Lock()
+
+
+def _script() -> Any:
+    """The sliding-window script on this process's client for REDIS_URL (made once)."""
+    global _redis
+    with _redis_lock:
+        if _redis is None or _redis[0] != settings.REDIS_URL:
+            client = redis_client_from_url(settings.REDIS_URL or "",
+                                           socket_connect_timeout=settings.REDIS_CONNECT_TIMEOUT,
+                                           socket_timeout=settings.REDIS_READ_TIMEOUT)
+            _redis = (settings.REDIS_URL or "", client.register_script(_SLIDING))
+        return _redis[1]
+
+
+def sliding_count(*, previous: int, current: int, elapsed: float) -> float:
+    """Requests in the sliding window ending now, from the counts of the last fixed window and this
+    one, `elapsed` (0..1) of the way through this one."""
+    return previous * (1.0 - elapsed) + current
+
+
+def seconds_until_allowed(*, previous: int, current: int, elapsed: float, limit: int, duration: float) -> float:
+    """How long until `sliding_count` drops below `limit` (the Retry-After)."""
+    if current >= limit:  # this window alone is full: its end, and then the next one starts from it
+        rest = 1.0 - elapsed
+        return duration * (rest + max(0.0, 1.0 - limit / current))
+    if previous <= 0:
+        return 0.0
+    needed = 1.0 - (limit - current) / previous  # the elapsed fraction at which the estimate fits
+    return max(0.0, needed - elapsed) * duration
 
 
 class JobSubmitThrottle(UserRateThrottle):
     """Submissions per account; over the rate, DRF's Throttled (429 `throttled` with Retry-After)."""
 
     scope = "job_submit"
+    num_requests: int  # set by SimpleRateThrottle.__init__ from the rate
+    duration: int
+    _wait: float
 
     def get_rate(self) -> str:
         # Read at each request, not frozen when DRF's settings were first imported.
         return str(settings.JOB_SUBMIT_RATE)
+
+    def allow_request(self, request: Any, view: Any) -> bool:
+        if self.rate is None:
+            return True
+        key = self.get_cache_key(request, view)
+        if key is None:
+            return True
+        now = self.timer()
+        window, into = divmod(now, self.duration)
+        current_key, previous_key = f"{key}:{int(window)}", f"{key}:{int(window) - 1}"
+        elapsed = into / self.duration
+        lifetime = math.ceil(2 * self.duration)  # a window's counter is the `previous` of the next one
+        if settings.REDIS_URL:
+            prefix = f"{settings.CACHES['default'].get('KEY_PREFIX', '')}:throttle:"
+            # a Redis error answers 503 unavailable, as any (potocolom.web.errors)
+            allowed, previous, current = _script()(keys=[prefix + current_key, prefix + previous_key],
+                                                   args=[self.num_requests, repr(elapsed), lifetime])
+            if allowed:
+                return True
+            previous, current = int(previous), int(current)
+        else:
+            counts = self.cache.get_many([current_key, previous_key])
+            previous, current = int(counts.get(previous_key, 0)), int(counts.get(current_key, 0))
+            if sliding_count(previous=previous, current=current, elapsed=elapsed) < self.num_requests:
+                if not self.cache.add(current_key, 1, timeout=lifetime):
+                    try:
+                        self.cache.incr(current_key)
+                    except ValueError:  # expired between add and incr
+                        self.cache.set(current_key, 1, timeout=lifetime)
+                return True
+        self._wait = seconds_until_allowed(previous=previous, current=current, elapsed=elapsed,
+                                           limit=self.num_requests, duration=self.duration)
+        return False
+
+    def wait(self) -> float | None:
+        return max(1.0, float(getattr(self, "_wait", self.duration)))

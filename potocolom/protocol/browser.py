@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from potocolom.protocol.errors import MessageError
-from potocolom.protocol.images import ImageRefused, checked_image
+from potocolom.protocol.images import ImageRefused, header_of
 
 DATA_URL_PREFIXES = ("data:image/png;base64,", "data:image/jpeg;base64,", "data:image/webp;base64,")
 DEFAULT_MAX_PIXELS = 4194304  # MAX_IMAGE_PIXELS' default (the API passes its setting)
@@ -68,7 +68,7 @@ def parse_browser_message(text: str, *, max_pixels: int = DEFAULT_MAX_PIXELS) ->
         raise MessageError("image must be a data:image/png, jpeg or webp;base64 URL")
     bare = image[len(prefix):]  # type: ignore[index]
     try:
-        checked_image(bare, max_pixels=max_pixels)
+        header_of(bare, max_pixels=max_pixels)
     except ImageRefused as exc:
         raise MessageError(f"image: {exc}") from None
     params = message.get("params", {})

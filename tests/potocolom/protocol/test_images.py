@@ -9,7 +9,7 @@ import zlib
 import pytest
 from PIL import Image
 
-from potocolom.protocol.images import ImageRefused, checked_image, image_bytes, image_header
+from potocolom.protocol.images import ImageRefused, checked_image, header_of, image_bytes, image_header
 
 
 def encoded(fmt: str, size: tuple[int, int] = (8, 6)) -> bytes:
@@ -74,3 +74,38 @@ def test_bad_encodings_are_refused(text: str) -> None:
 def test_an_oversized_text_is_refused_before_decoding() -> None:
     with pytest.raises(ImageRefused, match="over 10 bytes"):
         image_bytes("A" * 100, max_bytes=10)
+
+
+def noisy(fmt: str, size: tuple[int, int] = (512, 512), **save: object) -> str:
+    """A frame as a browser sends it: an image of noise, a few hundred kilobytes of base64."""
+    import random
+
+    rng = random.Random(7)
+    image = Image.frombytes("RGB", size, bytes(rng.randrange(256) for _ in range(size[0] * size[1] * 3)))
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt, **save)
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG", "WEBP"])
+def test_a_frames_header_is_read_from_the_start_of_its_base64(fmt: str) -> None:
+    text = noisy(fmt)
+    assert len(text) > 65_536  # the whole is never decoded for this
+    assert header_of(text, max_pixels=512 * 512) == image_header(base64.b64decode(text), max_pixels=512 * 512)
+    with pytest.raises(ImageRefused, match="512x512"):
+        header_of(text, max_pixels=512 * 511)
+
+
+def test_a_jpeg_whose_header_sits_past_a_large_exif_block_is_still_read() -> None:
+    exif = Image.Exif()
+    exif[0x010E] = "x" * 20_000  # ImageDescription: 20 kB of APP1 before the frame header
+    text = noisy("JPEG", (256, 256), exif=exif.tobytes())
+    assert header_of(text, max_pixels=256 * 256).format == "JPEG"
+
+
+def test_a_frame_that_is_no_image_is_refused_whatever_its_length() -> None:
+    text = base64.b64encode(b"GIF89a" + bytes(100_000)).decode()
+    with pytest.raises(ImageRefused, match="PNG, JPEG or WebP"):
+        header_of(text, max_pixels=4_194_304)
+    with pytest.raises(ImageRefused):
+        header_of(base64.b64encode(png_declaring(60_000, 60_000)).decode(), max_pixels=4_194_304)
