@@ -27,6 +27,18 @@ class Place:
     def includes(self, seq: int) -> bool:
         return seq <= self.base or seq in self.applied
 
+    def apply(self, seq: int) -> None:
+        """Note a move applied; the moves applied in a row after `base` fold into it, so the set
+        holds only those that came out of order, at most RECENT_MOVES of them (a gap the sweep's
+        correction then closes), however long the session waits."""
+        self.applied.add(seq)
+        if len(self.applied) > RECENT_MOVES:  # a gap in the numbers (a rolled-back admission) never fills
+            self.base = min(self.applied)
+            self.applied = {s for s in self.applied if s > self.base}
+        while self.base + 1 in self.applied:
+            self.base += 1
+            self.applied.discard(self.base)
+
 
 def queue_key(joined_us: int, session_id: str) -> QueueKey:
     return (int(joined_us), str(session_id))
@@ -66,7 +78,7 @@ class QueuePlaces:
                 if place.includes(seq):
                     continue
                 position = policy.moved_position(place.position, place.key, left=left, joined=joined)
-                place.applied.add(seq)
+                place.apply(seq)
                 if position != place.position:
                     place.position = position
                     if browser := self.browser_of(session_id):
@@ -88,7 +100,7 @@ class QueuePlaces:
                 for seq, (left, joined) in self.recent.items():  # heard already, after the read
                     if seq > as_of:
                         place.position = policy.moved_position(place.position, key, left=left, joined=joined)
-                        place.applied.add(seq)
+                        place.apply(seq)
                 browser = self.browser_of(session_id)
                 if browser and (found is None or found.position != place.position):
                     tell.append((browser, place.position))
