@@ -6,9 +6,9 @@ read, unpickled, trimmed, pickled and written back whole at each request: at the
 minute that is 600 floats each way on the submit path, and more the higher the rate (bench/scale.py
 lost a third of its jobs/s to it). This one keeps two counters per account, this window's and the
 last one's, and estimates the requests of the sliding window from them (the last window's count
-weighted by how much of it the sliding window still covers). With REDIS_URL the check and the count
-are one Lua script (one round trip; Django's cache would take three, each building a client);
-without it, Django's cache (this process's memory)."""
+weighted by how much of it the sliding window still covers). When the cache is Redis (REDIS_URL) the
+check and the count are one Lua script on that Redis (one round trip; Django's cache would take
+three, each building a client); otherwise Django's cache (this process's memory)."""
 from __future__ import annotations
 
 import math
@@ -30,19 +30,29 @@ redis.call('INCR', KEYS[1])
 redis.call('EXPIRE', KEYS[1], ARGV[3])
 return {1, 0, 0}
 """
-_redis: tuple[str, Any] | None = None
+_redis: tuple[tuple[str, float | None, float | None], Any] | None = None
 _redis_lock = threading.Lock()
 
 
-def _script() -> Any:
-    """The sliding-window script on this process's client for REDIS_URL (made once)."""
+def _redis_cache() -> tuple[str, float | None, float | None] | None:
+    """Where the default cache lives, when it is Redis: (URL, connect timeout, read timeout)."""
+    cache: dict[str, Any] = settings.CACHES.get("default", {})
+    if not str(cache.get("BACKEND", "")).endswith("RedisCache"):
+        return None
+    location = cache.get("LOCATION")
+    url = location[0] if isinstance(location, (list, tuple)) else str(location)
+    options: dict[str, Any] = cache.get("OPTIONS") or {}
+    return url, options.get("socket_connect_timeout"), options.get("socket_timeout")
+
+
+def _script(where: tuple[str, float | None, float | None]) -> Any:
+    """The sliding-window script on this process's client for the cache's Redis (made once)."""
     global _redis
     with _redis_lock:
-        if _redis is None or _redis[0] != settings.REDIS_URL:
-            client = redis_client_from_url(settings.REDIS_URL or "",
-                                           socket_connect_timeout=settings.REDIS_CONNECT_TIMEOUT,
-                                           socket_timeout=settings.REDIS_READ_TIMEOUT)
-            _redis = (settings.REDIS_URL or "", client.register_script(_SLIDING))
+        if _redis is None or _redis[0] != where:
+            url, connect_timeout, read_timeout = where
+            client = redis_client_from_url(url, socket_connect_timeout=connect_timeout, socket_timeout=read_timeout)
+            _redis = (where, client.register_script(_SLIDING))
         return _redis[1]
 
 
@@ -86,11 +96,11 @@ class JobSubmitThrottle(UserRateThrottle):
         current_key, previous_key = f"{key}:{int(window)}", f"{key}:{int(window) - 1}"
         elapsed = into / self.duration
         lifetime = math.ceil(2 * self.duration)  # a window's counter is the `previous` of the next one
-        if settings.REDIS_URL:
+        if where := _redis_cache():  # the cache's own Redis, in one round trip
             prefix = f"{settings.CACHES['default'].get('KEY_PREFIX', '')}:throttle:"
             # a Redis error answers 503 unavailable, as any (potocolom.web.errors)
-            allowed, previous, current = _script()(keys=[prefix + current_key, prefix + previous_key],
-                                                   args=[self.num_requests, repr(elapsed), lifetime])
+            allowed, previous, current = _script(where)(keys=[prefix + current_key, prefix + previous_key],
+                                                        args=[self.num_requests, repr(elapsed), lifetime])
             if allowed:
                 return True
             previous, current = int(previous), int(current)
