@@ -36,8 +36,9 @@ class ImageHeader:
         return MIME_OF[self.format]
 
 
-def image_bytes(text: str, *, max_bytes: int | None = None) -> bytes:
-    """The bytes of an image given as bare base64 or a `data:image/...;base64,` URL."""
+def base64_body(text: str, *, max_bytes: int | None = None) -> str:
+    """The base64 of an image given as bare base64 or a `data:image/...;base64,` URL, its length
+    checked against `max_bytes` before anything is decoded."""
     if not isinstance(text, str) or not text:
         raise ImageRefused("the image must be a non-empty base64 string or data: URL")
     if text.startswith("data:"):
@@ -46,8 +47,14 @@ def image_bytes(text: str, *, max_bytes: int | None = None) -> bytes:
             raise ImageRefused("a data: URL image must be base64 (data:image/png;base64,...)")
     if max_bytes is not None and len(text) > (max_bytes * 4) // 3 + 4:
         raise ImageRefused(f"the image is over {max_bytes} bytes")
+    return text
+
+
+def image_bytes(text: str, *, max_bytes: int | None = None) -> bytes:
+    """The bytes of an image given as bare base64 or a `data:image/...;base64,` URL."""
+    body = base64_body(text, max_bytes=max_bytes)
     try:
-        return base64.b64decode(text, validate=True)
+        return base64.b64decode(body, validate=True)
     except (binascii.Error, ValueError):
         raise ImageRefused("the image is not valid base64") from None
 
@@ -85,15 +92,7 @@ def header_of(text: str, *, max_pixels: int, max_bytes: int | None = None) -> Im
     """`image_header` of a base64 image (or data: URL) read from a prefix of it: a browser frame of
     a megabyte is checked without decoding all of its base64 (1.3 ms on the event loop), only the
     few kilobytes its header sits in. The rest is decoded, and checked again, by the worker."""
-    if not isinstance(text, str) or not text:
-        raise ImageRefused("the image must be a non-empty base64 string or data: URL")
-    body = text
-    if text.startswith("data:"):
-        head, comma, body = text.partition(",")
-        if not comma or not head.endswith(";base64"):
-            raise ImageRefused("a data: URL image must be base64 (data:image/png;base64,...)")
-    if max_bytes is not None and len(body) > (max_bytes * 4) // 3 + 4:
-        raise ImageRefused(f"the image is over {max_bytes} bytes")
+    body = base64_body(text, max_bytes=max_bytes)
     for size in HEADER_PREFIXES:
         if len(body) <= size:
             break
