@@ -87,6 +87,20 @@ async def close_sync_thread_connections() -> None:
     await database_sync_to_async(connections.close_all)()
 
 
+def submit_jobs_now(account, count: int, *, model_id: str = "tiny-a", priority: int = 0) -> list[str]:
+    """Submit `count` jobs (prompts "job 0".."job N") through the service, as REST would; their ids."""
+    from django.utils import timezone
+
+    from scheduling.services import JobRequest, job_submit
+
+    return [str(job_submit(account=account, now=timezone.now(),
+                           request=JobRequest(params={"prompt": f"job {n}"}, model_id=model_id, priority=priority)).id)
+            for n in range(count)]
+
+
+submit_jobs = database_sync_to_async(submit_jobs_now)
+
+
 @database_sync_to_async
 def job_row(job_id: str) -> dict[str, Any]:
     """A job's row as plain values (read through the sync database thread)."""

@@ -1,4 +1,6 @@
-"""Worker sockets that present their token in the handshake's Authorization header, and v2 hellos."""
+"""The worker-socket tests' shared pieces: quick password hashing, a worker token beside a
+registered model, sockets that present their token in the handshake's Authorization header, and
+v2 hellos."""
 from __future__ import annotations
 
 from typing import Any
@@ -6,6 +8,21 @@ from typing import Any
 import pytest
 
 from tests.helpers import FakeWorker, hello
+
+
+@pytest.fixture(autouse=True)
+def fast_password_hashing(settings):
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+
+
+@pytest.fixture
+def token(db) -> str:
+    """A worker token (its name "hosts"), and the model tiny-a registered."""
+    from tests.helpers import register_model
+    from workers.services import worker_token_create
+
+    register_model("tiny-a")
+    return worker_token_create(name="hosts")
 
 
 def hello_v2(worker_id: str, models: list[str], jobs: list[str] | None = None) -> dict[str, Any]:

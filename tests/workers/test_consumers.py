@@ -28,11 +28,6 @@ PNG = tiny_png(2, 2)
 PNG_B64 = base64.b64encode(PNG).decode()
 
 
-@pytest.fixture(autouse=True)
-def fast_password_hashing(settings):
-    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
-
-
 @pytest.fixture
 def models(db):
     register_model("tiny-a", cost=1.0)

@@ -19,11 +19,6 @@ from workers.services import worker_token_create
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-@pytest.fixture(autouse=True)
-def fast_password_hashing(settings):
-    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
-
-
 @pytest.fixture
 def token(db) -> str:
     register_model("tiny-a")

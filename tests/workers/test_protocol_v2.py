@@ -9,36 +9,15 @@ import uuid
 
 import pytest
 from channels.db import database_sync_to_async
-from django.utils import timezone
 
 from scheduling.dispatcher import reset_dispatcher
-from scheduling.services import JobRequest, job_submit
-from tests.helpers import api_client, eventually, job_row, job_states, register_model, tiny_png
+from tests.helpers import api_client, eventually, job_row, job_states, submit_jobs, tiny_png
 from tests.workers.conftest import hello_v2
-from workers.services import worker_token_create
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 PNG = tiny_png(2, 2)
 PNG_B64 = base64.b64encode(PNG).decode()
-
-
-@pytest.fixture(autouse=True)
-def fast_password_hashing(settings):
-    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
-
-
-@pytest.fixture
-def token(db) -> str:
-    register_model("tiny-a")
-    return worker_token_create(name="hosts")
-
-
-@database_sync_to_async
-def submit_many(account, count: int) -> list[str]:
-    return [str(job_submit(account=account, now=timezone.now(),
-                           request=JobRequest(params={"prompt": f"job {n}"}, model_id="tiny-a")).id)
-            for n in range(count)]
 
 
 @database_sync_to_async
@@ -76,7 +55,7 @@ async def test_a_later_protocol_is_answered_in_v2(workers):
 
 
 async def test_a_v1_worker_never_receives_job_ack(alice, workers):
-    ids = await submit_many(alice, 2)
+    ids = await submit_jobs(alice, 2)
     worker = workers()
     await worker.join(["tiny-a"])
     await worker.jobs(2)
@@ -92,7 +71,7 @@ async def test_a_v1_worker_never_receives_job_ack(alice, workers):
 # --- results at least once ----------------------------------------------------------------------
 
 async def test_a_v2_worker_gets_job_ack_for_a_result_once_it_is_stored(alice, v2_workers):
-    job_id, = await submit_many(alice, 1)
+    job_id, = await submit_jobs(alice, 1)
     worker = v2_workers()
     await worker.join(["tiny-a"])
     await worker.jobs(1)
@@ -105,7 +84,7 @@ async def test_a_v2_worker_gets_job_ack_for_a_result_once_it_is_stored(alice, v2
 
 
 async def test_a_v2_worker_gets_job_ack_for_a_failure(alice, v2_workers):
-    job_id, = await submit_many(alice, 1)
+    job_id, = await submit_jobs(alice, 1)
     worker = v2_workers()
     await worker.join(["tiny-a"])
     await worker.jobs(1)
@@ -117,7 +96,7 @@ async def test_a_v2_worker_gets_job_ack_for_a_failure(alice, v2_workers):
 
 
 async def test_a_duplicate_or_a_job_the_worker_no_longer_holds_is_acked_and_changes_nothing(alice, v2_workers):
-    ids = await submit_many(alice, 3)
+    ids = await submit_jobs(alice, 3)
     worker, other = v2_workers("host-a:0"), v2_workers("host-b:0")
     await worker.join(["tiny-a"])
     await worker.jobs(2)
@@ -143,7 +122,7 @@ async def test_a_storage_error_keeps_the_socket_open_and_the_result_unacked_unti
         alice, v2_workers, settings):
     settings.STORAGES = {**settings.STORAGES, "default": {"BACKEND": "tests.workers.flaky_storage.FullDiskStorage",
                                                           "OPTIONS": {"failures": 1}}}
-    job_id, = await submit_many(alice, 1)
+    job_id, = await submit_jobs(alice, 1)
     worker = v2_workers()
     await worker.join(["tiny-a"])
     await worker.jobs(1)
@@ -165,7 +144,7 @@ async def test_a_storage_error_keeps_the_socket_open_and_the_result_unacked_unti
 
 async def test_after_a_restart_a_v2_hello_keeps_the_jobs_it_lists_and_the_others_follow_the_dead_worker_rule(
         alice, workers, v2_workers):
-    ids = await submit_many(alice, 2)
+    ids = await submit_jobs(alice, 2)
     old = workers("host-a:0")
     await old.join(["tiny-a"])
     await old.jobs(2)
@@ -183,7 +162,7 @@ async def test_after_a_restart_a_v2_hello_keeps_the_jobs_it_lists_and_the_others
 
 async def test_a_job_a_v2_hello_lists_that_the_api_does_not_give_that_worker_gets_cancel(alice, workers,
                                                                                         v2_workers):
-    ids = await submit_many(alice, 3)
+    ids = await submit_jobs(alice, 3)
     old = workers("host-a:0")
     await old.join(["tiny-a"])
     await old.jobs(2)
@@ -208,7 +187,7 @@ async def test_a_job_a_v2_hello_lists_that_the_api_does_not_give_that_worker_get
 
 
 async def test_after_a_restart_a_v1_hello_keeps_every_job(alice, workers):
-    ids = await submit_many(alice, 3)
+    ids = await submit_jobs(alice, 3)
     old = workers("host-a:0")
     await old.join(["tiny-a"])
     await old.jobs(2)
@@ -223,7 +202,7 @@ async def test_after_a_restart_a_v1_hello_keeps_every_job(alice, workers):
 
 
 async def test_while_the_api_runs_a_closed_v2_socket_is_a_dead_worker(alice, v2_workers):
-    ids = await submit_many(alice, 2)
+    ids = await submit_jobs(alice, 2)
     first = v2_workers("host-a:0")
     await first.join(["tiny-a"])
     await first.jobs(2)
@@ -247,7 +226,7 @@ async def test_while_the_api_runs_a_closed_v2_socket_is_a_dead_worker(alice, v2_
 # --- cancel and depth ---------------------------------------------------------------------------
 
 async def test_a_v2_workers_cancelled_job_counts_against_its_depth_until_it_lets_it_go(alice, v2_workers):
-    ids = await submit_many(alice, 4)
+    ids = await submit_jobs(alice, 4)
     worker = v2_workers()
     await worker.join(["tiny-a"])
     assert [m["job_id"] for m in await worker.jobs(2)] == ids[:2]
@@ -267,13 +246,13 @@ async def test_a_v2_workers_cancelled_job_counts_against_its_depth_until_it_lets
 
 
 async def test_a_v2_worker_that_finishes_a_cancelled_job_anyway_frees_its_place(alice, v2_workers):
-    ids = await submit_many(alice, 2)
+    ids = await submit_jobs(alice, 2)
     worker = v2_workers()
     await worker.join(["tiny-a"])
     assert [m["job_id"] for m in await worker.jobs(2)] == ids
     await cancel(alice, ids[1])
     assert (await worker.receive())["type"] == "cancel"
-    extra, = await submit_many(alice, 1)
+    extra, = await submit_jobs(alice, 1)
     assert await worker.silent()
 
     await worker.result(ids[1], [PNG_B64])  # its last step was under way
@@ -285,7 +264,7 @@ async def test_a_v2_worker_that_finishes_a_cancelled_job_anyway_frees_its_place(
 
 
 async def test_a_v1_workers_cancelled_job_frees_its_place_at_once(alice, workers):
-    ids = await submit_many(alice, 3)
+    ids = await submit_jobs(alice, 3)
     worker = workers()
     await worker.join(["tiny-a"])
     await worker.jobs(2)
@@ -297,7 +276,7 @@ async def test_a_v1_workers_cancelled_job_frees_its_place_at_once(alice, workers
 
 
 async def test_a_v2_worker_that_dies_before_letting_go_frees_nothing_twice(alice, v2_workers):
-    ids = await submit_many(alice, 3)
+    ids = await submit_jobs(alice, 3)
     dying = v2_workers("host-a:0")
     await dying.join(["tiny-a"])
     await dying.jobs(2)
@@ -320,7 +299,7 @@ async def _state_is(job_id: str, state: str) -> bool:
 async def test_the_answer_to_a_cancel_does_not_touch_the_jobs_next_run_on_the_same_worker(alice, v2_workers,
                                                                                         settings):
     settings.JOB_DISPATCH_DEPTH = 3
-    job_id, = await submit_many(alice, 1)
+    job_id, = await submit_jobs(alice, 1)
     first = v2_workers("host-a:0")
     await first.join(["tiny-a"])
     await first.jobs(1)

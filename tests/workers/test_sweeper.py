@@ -11,26 +11,11 @@ from channels.db import database_sync_to_async
 from django.utils import timezone
 
 from scheduling.dispatcher import reset_dispatcher
-from scheduling.services import JobRequest, job_submit
-from tests.helpers import eventually, job_row, register_model
+from tests.helpers import eventually, job_row, submit_jobs
 from workers.lifecycle import dead_workers_sweep
-from workers.services import worker_token_create
 from workers.sweeper import DeadWorkerSweeper
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-@pytest.fixture
-def token(db) -> str:
-    register_model("tiny-a")
-    return worker_token_create(name="hosts")
-
-
-@database_sync_to_async
-def submit_many(account, count: int) -> list[str]:
-    return [str(job_submit(account=account, now=timezone.now(),
-                           request=JobRequest(params={"prompt": f"job {n}"}, model_id="tiny-a")).id)
-            for n in range(count)]
 
 
 async def held(job_id: str) -> tuple[str, str | None, int]:
@@ -48,7 +33,7 @@ def connected(worker_id: str) -> bool:
 async def a_worker_whose_process_died(workers, account) -> list[str]:
     """Jobs held by a worker of an API process that is gone: the database says the worker holds
     them; this process has never had its socket (a restarted dispatcher: nothing in memory)."""
-    ids = await submit_many(account, 3)
+    ids = await submit_jobs(account, 3)
     worker = workers("host-a:0")
     await worker.join(["tiny-a"])
     await worker.jobs(2)
