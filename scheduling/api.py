@@ -87,8 +87,11 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
         if problem:
             raise InvalidParams({"params": {INIT_IMAGE: [problem]}})
         job = services.job_submit(account=account_of(request), request=body.to_request(), now=timezone.now())
-        job.refresh_from_db()  # a worker with room may have it already: answer with the state it is in
+        # `job` is as submitted, or as dispatched when a worker of this process took it at once;
+        # one another process took meanwhile is no longer queued here: read what it became
         self._positions = selectors.positions_of([job])
+        if job.state == JobState.QUEUED and str(job.id) not in self._positions:
+            job.refresh_from_db()
         return Response(self.get_serializer(job).data, status=status.HTTP_201_CREATED)
 
     @extend_schema(request=None, responses={200: JobSerializer})

@@ -95,14 +95,15 @@ def jobs_dispatch(*, now: datetime) -> list[Assignment]:
     return current.plan(claim, at_us=to_microseconds(now))
 
 
-def jobs_dispatch_or_wake(*, queued: set[str], now: datetime) -> None:
+def jobs_dispatch_or_wake(*, queued: set[str], now: datetime) -> list[Assignment]:
     """Dispatch; with a shared queue, jobs of `queued` that no worker of this process took wake the
     other processes (from the dispatch's own answer: no queue lookup on the submit path; a job
-    another thread dispatched meanwhile only costs a needless wake-up)."""
-    taken = {assignment.job.job_id for assignment in jobs_dispatch(now=now)}
-    if dispatcher().shared and queued - taken:
+    another thread dispatched meanwhile only costs a needless wake-up). The dispatch's assignments."""
+    assignments = jobs_dispatch(now=now)
+    if dispatcher().shared and queued - {assignment.job.job_id for assignment in assignments}:
         # every process with a worker looks at the shared queue again (`jobs.available`)
         relay.group_send_others_sync(WORKERS_GROUP, {"type": "jobs.available"})
+    return assignments
 
 
 # --- REST side --------------------------------------------------------------------------------
@@ -125,19 +126,26 @@ def job_submit(*, account: User, request: JobRequest, now: datetime) -> Job:
 
 
 def _unfinished_jobs(account_id: int, *, up_to: int) -> int:
-    """The account's unfinished jobs, counted up to `up_to` only (an index range of at most that
-    many rows on (account, state)); one statement, no ORM machinery, since it sits on the submit path."""
-    states = [str(state.value) for state in UNFINISHED_STATES]
+    """The account's unfinished jobs, counted up to `up_to` only; one statement, no ORM machinery,
+    since it sits on the submit path. Its WHERE is the partial index job_account_unfinished's own
+    condition, written out as constants so that the planner can prove it and read only that index."""
+    states = ", ".join(f"'{state.value}'" for state in UNFINISHED_STATES)  # the enum's own words
     sql = (f"SELECT COUNT(*) FROM (SELECT 1 FROM {Job._meta.db_table} WHERE account_id = %s AND state IN "
-           f"({', '.join(['%s'] * len(states))}) LIMIT %s) AS unfinished")
+           f"({states}) LIMIT %s) AS unfinished")
     with connection.cursor() as cursor:
-        cursor.execute(sql, [account_id, *states, up_to])
+        cursor.execute(sql, [account_id, up_to])
         return int(cursor.fetchone()[0])
 
 
 def _queue_and_dispatch(job: Job, *, now: datetime) -> None:
+    """Queue the new job and dispatch. When a worker here took it, `job` says so as the claim wrote
+    it, so that the submission's answer needs no second read of the row."""
     dispatcher().push(queued_job(job))
-    jobs_dispatch_or_wake(queued={str(job.id)}, now=now)
+    for assignment in jobs_dispatch_or_wake(queued={str(job.id)}, now=now):
+        if assignment.job.job_id == str(job.id):
+            job.state, job.worker_id, job.dispatched_at = JobState.DISPATCHED, assignment.worker_id, now
+            job.turn_us = assignment.job.turn_us if assignment.job.turn_us is not None else job.turn_us
+            job.progress_step = job.progress_steps = None
 
 
 def _tell_holder(current: Dispatcher, holder: str | None, job_id: str, worker_id: str | None) -> None:
