@@ -8,7 +8,7 @@ import collections
 import contextlib
 import json
 import logging
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 import redis
@@ -195,6 +195,33 @@ def deliver_local(channel_name: str, message: dict[str, Any]) -> bool:
     except RuntimeError:  # that loop is closed: the consumer is gone
         return False
     return True
+
+
+def deliver_local_many(deliveries: Iterable[tuple[str, dict[str, Any]]]) -> None:
+    """deliver_local for many (channel, message) pairs at once, e.g. every queued browser's new
+    place: from a thread other than the consumers' loop, one wake-up of that loop carries them all
+    (one wake-up each costs a write to the loop's self-pipe per message)."""
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    batches: dict[asyncio.AbstractEventLoop, list[tuple[Any, dict[str, Any]]]] = {}
+    for channel_name, message in deliveries:
+        entry = _inboxes.get(channel_name)
+        if entry is None or channel_name in _listeners:
+            deliver_local(channel_name, message)  # a listener, a group, or not here
+        elif entry[0] is running:
+            entry[1].put_nowait(message)
+        else:
+            batches.setdefault(entry[0], []).append((entry[1], message))
+    for loop, batch in batches.items():
+        with contextlib.suppress(RuntimeError):  # that loop is closed: its consumers are gone
+            loop.call_soon_threadsafe(_put_all, batch)
+
+
+def _put_all(batch: list[tuple[Any, dict[str, Any]]]) -> None:
+    for inbox, message in batch:
+        inbox.put_nowait(message)
 
 
 # --- between processes: the bus (one PUBLISH) when Redis is there, the channel layer otherwise ---

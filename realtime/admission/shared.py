@@ -154,8 +154,8 @@ class SharedAdmission:
     def _moved(self, message: dict[str, Any]) -> None:
         """News of an admission's queue moves (any process's): tell this process's browsers whose
         position changed."""
-        for browser, position in self.places.moved(message):
-            relay.deliver_local(browser, socket_event(Queued(position).to_wire()))
+        relay.deliver_local_many((browser, socket_event(Queued(position).to_wire()))
+                                 for browser, position in self.places.moved(message))
 
     def _resync(self) -> None:
         """The sweep's correction of news lost on the way (the bus is at most once): this process's
@@ -174,8 +174,8 @@ class SharedAdmission:
                                "WHERE id = ANY(%s)", [SessionState.QUEUED, [uuid.UUID(s) for s in own]])
                 rows = cursor.fetchall()
         positions = {str(sid): ((to_microseconds(joined), str(sid)), int(place)) for sid, joined, place in rows}
-        for browser, position in self.places.resync(positions, as_of=int(last) if called else 0):
-            relay.deliver_local(browser, socket_event(Queued(position).to_wire()))
+        told = self.places.resync(positions, as_of=int(last) if called else 0)
+        relay.deliver_local_many((browser, socket_event(Queued(position).to_wire())) for browser, position in told)
 
     # joining and leaving
 

@@ -56,6 +56,28 @@ async def test_a_local_consumer_gets_messages_in_memory_and_in_order(layer_refus
     assert not relay.is_local(name), "a consumer that ended is no longer a local channel"
 
 
+async def test_many_messages_from_a_thread_reach_each_local_consumer_in_order(layer_refuses, db):
+    """deliver_local_many (every queued browser's new place at once): each consumer gets its own
+    messages in the order given, and a channel that is not here is passed over."""
+    communicators = [WebsocketCommunicator(Echo.as_asgi(), "/") for _ in range(3)]
+    names = []
+    for communicator in communicators:
+        assert (await communicator.connect())[0]
+        names.append(await communicator.receive_from())
+    deliveries = [(name, {"type": "relay.echo", "text": f"{n} to {k}"}) for n in range(5)
+                  for k, name in enumerate(names)]
+    deliveries.insert(4, ("nobody-here", {"type": "relay.echo", "text": "lost"}))
+
+    await asyncio.to_thread(relay.deliver_local_many, deliveries)
+    relay.deliver_local_many([(names[0], {"type": "relay.echo", "text": "from the loop"})])
+
+    for k, communicator in enumerate(communicators):
+        assert [await communicator.receive_from() for _ in range(5)] == [f"{n} to {k}" for n in range(5)]
+    assert await communicators[0].receive_from() == "from the loop"
+    for communicator in communicators:
+        await communicator.disconnect()
+
+
 async def test_a_channel_that_is_not_local_goes_through_the_channel_layer():
     layer = get_channel_layer()
     name = await layer.new_channel()
