@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from potocolom.protocol.browser import DEFAULT_STRENGTH
 from potocolom.protocol.images import FORMATS, ImageRefused, checked_image
 from potocolom.protocol.rungs import RUNG_FULL, RUNG_GROUP_OFFLOAD
+from workers.gpu.checkpoints import Checkpoint, Fingerprint, capture_checkpoint, denoising, fingerprint_for
 from workers.gpu.footprints import default_size
 from workers.gpu.installed import InstalledModel
 from workers.gpu.ladder import Footprint, group_offload_to_disk
@@ -45,6 +46,7 @@ _MESSAGE_CHARS = 300  # error messages travel in job_failed; an echoed init_imag
 
 OnStep = Callable[[int, int], None]
 ShouldStop = Callable[[], bool]
+OnCheckpoint = Callable[[Checkpoint | None], None]
 Fault = Callable[[str], None]  # called with the model_id before each job call of a pipeline (tests inject OOM)
 
 
@@ -59,6 +61,15 @@ class JobCancelled(Exception):
 class _StopAtStep(Exception):
     """Raised from the step callback to leave the diffusers call at once: `pipe._interrupt` only
     skips the remaining steps, and the VAE would still decode (seconds at 512x512 on a GPU)."""
+
+
+class JobPreempted(Exception):
+    """The job was stopped on request at a step boundary to run later from `checkpoint` (None when its
+    scheduler cannot be resumed exactly: it then restarts from step 0), before its image was decoded."""
+
+    def __init__(self, step: int, steps: int, checkpoint: Checkpoint | None):
+        super().__init__(f"preempted after step {step} of {steps}")
+        self.step, self.steps, self.checkpoint = step, steps, checkpoint
 
 
 class OutOfMemory(RuntimeError):
@@ -340,8 +351,9 @@ class DiffusersPipeline:
                                  steps=steps, guidance_scale=guidance_scale, seed=seed, strength=strength,
                                  init_image=init_image)
 
-    def generate(self, params: Any, *, on_step: OnStep | None = None,
-                 should_stop: ShouldStop | None = None) -> list[Image]:
+    def generate(self, params: Any, *, on_step: OnStep | None = None, should_stop: ShouldStop | None = None,
+                 resume: Checkpoint | None = None, capture: ShouldStop | None = None,
+                 on_checkpoint: OnCheckpoint | None = None, preempt: ShouldStop | None = None) -> list[Image]:
         """Run one job; return its images, each exactly width x height.
 
         A seeded txt2img job is exactly this diffusers call (defaults: steps 20, guidance 7.5,
@@ -362,43 +374,93 @@ class DiffusersPipeline:
         on_step(step, steps) is called after each denoising step (1-based); when should_stop()
         turns true the call is left at that step boundary (raising out of the step callback, so the
         VAE never decodes) and JobCancelled is raised.
+
+        Checkpoints (checkpoints.py): at each step boundary, from the one before the first step to
+        the one after the last, preempt() is polled (when given): true leaves the call there with
+        JobPreempted, carrying a checkpoint (None when the scheduler cannot be resumed exactly);
+        else capture() is polled: true hands on_checkpoint a checkpoint (or None) and the job goes
+        on. `resume` continues a job from a checkpoint taken for the same params, scheduler, device
+        and software (CheckpointMismatch otherwise): its steps run from step k+1, on_step counts on
+        from k+1, and the images are those of the uninterrupted run. A resumed img2img job runs on
+        the txt2img pipeline: past its start, the img2img denoising loop is the same.
         """
         import torch
 
         # 1. Check the params and fill in the defaults.
         request = self.check_inputs(params)
-        # 2. A CPU generator: the same seed gives the same noise on any device.
-        generator = torch.Generator("cpu").manual_seed(request.seed)
+        fingerprint = None
+        if resume is not None or capture is not None or preempt is not None:
+            fingerprint = self._fingerprint(request)
+        if resume is not None:
+            assert fingerprint is not None
+            resume.check_fits(fingerprint)
+        # 2. A CPU generator: the same seed gives the same noise on any device (on resume: as it was).
+        generator = torch.Generator("cpu").manual_seed(request.seed) if resume is None else resume.generator()
+        done_before = 0 if resume is None else resume.step
+        pipe = self.pipe if request.init_image is None or resume is not None else self.img2img
+        scheduler: Any = getattr(pipe, "scheduler", None)  # None: not loaded, and _call says so
 
-        # 3. Report each step, and leave the call at the step boundary when asked to stop.
+        # 3. At a step boundary: leave with a checkpoint when preempted, or hand one on when asked.
+        def at_boundary(step: int, steps: int, latents: Any, index: int) -> None:
+            def checkpoint() -> Checkpoint | None:
+                assert fingerprint is not None
+                return capture_checkpoint(scheduler, latents, generator, index=index, step=step, steps=steps,
+                                          fingerprint=fingerprint)
+
+            if preempt is not None and preempt():
+                raise JobPreempted(step, steps, checkpoint())
+            if capture is not None and capture() and on_checkpoint is not None:
+                on_checkpoint(checkpoint())
+
+        def start_seen(latents: Any, index: int) -> None:
+            at_boundary(done_before, done_before + len(scheduler.timesteps) - index, latents, index)
+
+        # 4. Report each step, and leave the call at the step boundary when asked to stop.
         def step_end(pipe: Any, index: int, timestep: Any, callback_kwargs: dict[str, Any]) -> dict[str, Any]:
             if should_stop is not None and should_stop():
                 raise _StopAtStep()
+            step, steps = done_before + index + 1, done_before + int(pipe.num_timesteps)
             if on_step is not None:
-                on_step(index + 1, int(pipe.num_timesteps))
+                on_step(step, steps)
             if should_stop is not None and should_stop():
                 raise _StopAtStep()  # asked while on_step ran (frames between steps, a cancel)
+            if capture is not None or preempt is not None:
+                # The scheduler holds the job's full schedule; this call runs its last num_timesteps.
+                done = len(scheduler.timesteps) - int(pipe.num_timesteps) + index + 1
+                at_boundary(step, steps, callback_kwargs["latents"], done)
             return callback_kwargs
 
         common = {"prompt": request.prompt, "negative_prompt": request.negative_prompt,
                   "num_inference_steps": request.steps, "guidance_scale": request.guidance_scale,
                   "generator": generator, "callback_on_step_end": step_end}
-        # 4. Denoise: txt2img without an init image, img2img with one. An interrupted job has no
+        watching = capture is not None or preempt is not None
+        # 5. Denoise: txt2img without an init image, img2img with one. An interrupted job has no
         #    result: nothing is decoded, and the offload hooks are put back as a finished call would.
-        pipe = self.pipe if request.init_image is None else self.img2img
         try:
-            if request.init_image is None:
-                output = self._call(pipe, height=request.height, width=request.width, **common)
-            else:
-                output = self._call(pipe, image=request.init_image, strength=request.strength, **common)
+            with denoising(pipe, resume=resume, on_start=start_seen if watching else None):
+                if request.init_image is None or resume is not None:
+                    output = self._call(pipe, height=request.height, width=request.width, **common)
+                else:
+                    output = self._call(pipe, image=request.init_image, strength=request.strength, **common)
         except _StopAtStep:
             if pipe is not None:
                 pipe.maybe_free_model_hooks()
             raise JobCancelled() from None
-        # 5. Exactly the requested size (the VAE's output already is, for sizes the checks allow).
+        except JobPreempted:
+            if pipe is not None:
+                pipe.maybe_free_model_hooks()
+            raise
+        # 6. Exactly the requested size (the VAE's output already is, for sizes the checks allow).
         size = (request.width, request.height)
         return [image if image.size == size else image.resize(size, resample=3) for image in output.images]
 
+    def _fingerprint(self, request: GenerationRequest) -> Fingerprint:
+        """What a checkpoint of `request` on this pipeline is valid for (img2img shares the scheduler)."""
+        if self.pipe is None:
+            raise PipelineLoadError(f"model {self.model.model_id} is not loaded (its reload failed)")
+        strength = None if request.init_image is None else request.strength
+        return fingerprint_for(self.pipe.scheduler, steps=request.steps, strength=strength, width=request.width,
+                               height=request.height, device=self.device, dtype=torch_dtype_for(self.device))
 
     def generate_frames(self, request: FrameRequest) -> list[Image]:
         """Run one batch of realtime frames; return one image per frame, each width x height.
