@@ -1,5 +1,5 @@
 """Operators' view of jobs: filter by state and model, queued ones in dispatch order with positions,
-and actions to cancel and requeue."""
+and actions to cancel, pause, resume and requeue."""
 from __future__ import annotations
 
 from typing import Any
@@ -10,7 +10,7 @@ from django.http import HttpRequest
 from django.utils import timezone
 
 from scheduling import selectors, services
-from scheduling.errors import JobAlreadyEnded
+from scheduling.errors import JobAlreadyEnded, JobNotPaused
 from scheduling.models import Job, JobState
 
 QUEUE_ORDER_ROWS = 1_000  # per model, placed by the queue; any further ones follow by submission
@@ -39,12 +39,12 @@ def _in_queue_order(request: HttpRequest) -> bool:
 
 @admin.register(Job)
 class JobAdmin(admin.ModelAdmin):
-    list_display = ["id", "account", "model_id", "state", "priority", "position", "attempts", "worker_id",
-                    "progress", "rung", "gpu_ms", "created_at", "finished_at"]
+    list_display = ["id", "account", "model_id", "state", "priority", "position", "attempts", "preemptions",
+                    "worker_id", "progress", "checkpoint_step", "rung", "gpu_ms", "created_at", "finished_at"]
     list_filter = [QueueOrderFilter, "state", "model_id"]
     search_fields = ["id", "account__username", "model_id", "worker_id"]
     readonly_fields = [f.name for f in Job._meta.fields]
-    actions = ["cancel_jobs", "requeue_jobs"]
+    actions = ["cancel_jobs", "pause_jobs", "resume_jobs", "requeue_jobs"]
 
     def get_ordering(self, request: HttpRequest) -> tuple[str, ...]:
         if _in_queue_order(request):  # the changelist's ordering would override the filter's
@@ -78,6 +78,28 @@ class JobAdmin(admin.ModelAdmin):
             except JobAlreadyEnded:
                 pass
         self.message_user(request, f"cancelled {done} job(s)", messages.SUCCESS)
+
+    @admin.action(description="Pause the selected jobs (held ones once their worker stops them)")
+    def pause_jobs(self, request: HttpRequest, queryset: QuerySet[Job]) -> None:
+        done = 0
+        for job in queryset:
+            try:
+                services.job_pause(job=job, now=timezone.now())
+                done += 1
+            except JobAlreadyEnded:
+                pass
+        self.message_user(request, f"paused {done} job(s)", messages.SUCCESS)
+
+    @admin.action(description="Resume the selected paused jobs")
+    def resume_jobs(self, request: HttpRequest, queryset: QuerySet[Job]) -> None:
+        done = 0
+        for job in queryset:
+            try:
+                services.job_resume(job=job, now=timezone.now())
+                done += 1
+            except (JobAlreadyEnded, JobNotPaused):
+                pass
+        self.message_user(request, f"resumed {done} job(s)", messages.SUCCESS)
 
     @admin.action(description="Requeue the selected jobs (failed, cancelled or stuck)")
     def requeue_jobs(self, request: HttpRequest, queryset: QuerySet[Job]) -> None:

@@ -101,6 +101,24 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
         job = services.job_cancel(job=self.get_object(), now=timezone.now())
         return Response(self.get_serializer(job).data)
 
+    @extend_schema(request=None, responses={200: JobSerializer})
+    @action(detail=True, methods=["post"])
+    def pause(self, request: Request, pk: str | None = None) -> Response:
+        """Pause a job: a queued one at once; a dispatched or running one once its worker stops it at
+        a step boundary (it answers with its state until then). 409 when it has ended."""
+        return self._answer(services.job_pause(job=self.get_object(), now=timezone.now()))
+
+    @extend_schema(request=None, responses={200: JobSerializer})
+    @action(detail=True, methods=["post"])
+    def resume(self, request: Request, pk: str | None = None) -> Response:
+        """Queue a paused job again at its old place (409 when it is not paused, or has ended)."""
+        return self._answer(services.job_resume(job=self.get_object(), now=timezone.now()))
+
+    def _answer(self, job: Job) -> Response:
+        """The job as it is now, with its position when it is queued."""
+        self._positions = selectors.positions_of([job])
+        return Response(self.get_serializer(job).data)
+
     @extend_schema(request=None, responses={(200, "image/png"): OpenApiTypes.BINARY,
                                             (200, "image/jpeg"): OpenApiTypes.BINARY,
                                             (200, "image/webp"): OpenApiTypes.BINARY})

@@ -49,6 +49,15 @@ class Joined:
     lost: set[str]
 
 
+@dataclass(frozen=True)
+class Holder:
+    """A connected worker of this process that holds a job (and was not told to cancel it)."""
+
+    worker_id: str
+    channel_name: str
+    protocol: int
+
+
 @dataclass
 class Orphans:
     """Jobs that a worker held when this API process started; it has until `deadline` to say hello."""
@@ -143,6 +152,16 @@ class Dispatcher:
         with self.lock:
             worker = self.workers.get(worker_id or "")
             return worker.channel_name if worker else None
+
+    def holder_of(self, job_id: str) -> Holder | None:
+        """Who among this process's connected workers holds the job, with the protocol it speaks
+        (a pause preempts on a v2 worker, cancels on a v1 one); None when none does, or the one
+        holding it is letting it go."""
+        with self.lock:
+            for worker in self.workers.values():
+                if job_id in worker.held and job_id not in worker.letting_go:
+                    return Holder(worker.worker_id, worker.channel_name, worker.protocol)
+            return None
 
     def held(self) -> dict[str, list[str]]:
         """The jobs each connected worker holds (operators)."""

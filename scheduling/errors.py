@@ -14,3 +14,9 @@ class TooManyJobs(DomainError):
     """The account already has ACCOUNT_JOB_LIMIT unfinished jobs; wait for some to end."""
 
     code = "too_many_jobs"
+
+
+class JobNotPaused(DomainError):
+    """The job is not paused: only a paused job can be resumed."""
+
+    code = "job_not_paused"

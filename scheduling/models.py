@@ -9,6 +9,7 @@ from django.db import models
 
 class JobState(models.TextChoices):
     QUEUED = "queued"
+    PAUSED = "paused"
     DISPATCHED = "dispatched"
     RUNNING = "running"
     SUCCEEDED = "succeeded"
@@ -16,9 +17,11 @@ class JobState(models.TextChoices):
     CANCELLED = "cancelled"
 
 
-ACTIVE_STATES = (JobState.QUEUED, JobState.DISPATCHED, JobState.RUNNING)
-UNFINISHED_STATES = ACTIVE_STATES  # what ACCOUNT_JOB_LIMIT counts
 HELD_STATES = (JobState.DISPATCHED, JobState.RUNNING)
+# What ACCOUNT_JOB_LIMIT counts and what can be cancelled: every state but the three ends. A paused
+# job counts, or pausing would be a way past the limit.
+UNFINISHED_STATES = (JobState.QUEUED, JobState.PAUSED, *HELD_STATES)
+ENDED_STATES = (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
 
 
 class Job(models.Model):
@@ -48,6 +51,14 @@ class Job(models.Model):
     gpu_ms = models.FloatField(null=True, blank=True)
     rung = models.CharField(max_length=40, blank=True, default="")
     error = models.TextField(null=True, blank=True)
+    # Step-boundary scheduling: how often the job was taken off a worker before it ended (preempted,
+    # paused, drained; a dead worker is `attempts`), the storage name of its latest checkpoint (the
+    # blob lives in default_storage, never in the row) and the step it holds, and whether a pause
+    # was asked while a worker held it (it becomes paused when that worker answers).
+    preemptions = models.PositiveIntegerField(default=0)
+    checkpoint = models.CharField(max_length=300, blank=True, default="")
+    checkpoint_step = models.PositiveIntegerField(null=True, blank=True)
+    pause_requested = models.BooleanField(default=False)
 
     class Meta:
         ordering = ["-created_at", "id"]

@@ -103,6 +103,7 @@ def job_payload(job: Job, *, position: int | None, image_url: Callable[[str], st
         "progress": None if job.progress_steps is None else {"step": job.progress_step or 0,
                                                              "steps": job.progress_steps},
         "rung": job.rung or None,
+        "preemptions": job.preemptions, "checkpoint_step": job.checkpoint_step,
     }
 
 
@@ -118,17 +119,24 @@ class JobSerializer(serializers.ModelSerializer):
 
     id = serializers.CharField(read_only=True)
     position = serializers.IntegerField(read_only=True, allow_null=True,
-                                        help_text="1-based place among queued jobs of its model; null unless queued")
+                                        help_text="1-based place among queued jobs of its model; null unless queued "
+                                                  "(a paused job too)")
     images = serializers.ListField(child=serializers.URLField(), read_only=True, help_text="URLs of its PNG images")
     progress = ProgressSerializer(read_only=True, allow_null=True,
                                   help_text="the worker's last job_progress: denoising step `step` of `steps`")
     rung = serializers.CharField(read_only=True, allow_null=True, help_text="the memory rung the result ran on")
     params = serializers.JSONField(read_only=True, help_text="as submitted, except init_image: the URL serving it")
+    preemptions = serializers.IntegerField(read_only=True, help_text="how often it was taken off a worker before "
+                                           "it ended (preempted, paused, drained); a dead worker counts in attempts")
+    checkpoint_step = serializers.IntegerField(read_only=True, allow_null=True,
+                                               help_text="the step of its stored checkpoint, which it resumes from; "
+                                                         "null without one")
 
     class Meta:
         model = Job
         fields = ["id", "state", "model_id", "params", "priority", "attempts", "position", "worker_id",
-                  "created_at", "started_at", "finished_at", "images", "error", "progress", "rung"]
+                  "created_at", "started_at", "finished_at", "images", "error", "progress", "rung", "preemptions",
+                  "checkpoint_step"]
         read_only_fields = fields
 
     def to_representation(self, job: Job) -> dict[str, Any]:

@@ -17,17 +17,18 @@ from django.contrib.auth.models import User
 from django.core.files.base import ContentFile
 from django.core.files.storage import default_storage
 from django.db import connection, transaction
-from django.db.models import F, Value
+from django.db.models import F, QuerySet, Value
 from django.db.models.functions import Coalesce
 
 from models_registry.routing import route
 from models_registry.selectors import registered_manifests
-from potocolom.protocol.worker import Cancel, JobOrder
+from potocolom.protocol.worker import PROTOCOL_V2, Cancel, JobOrder, Preempt
 from potocolom.transport import relay
 from potocolom.transport.notify import to_socket_after_commit
+from scheduling.checkpoints import checkpoint_discard, checkpoint_save
 from scheduling.dispatcher import Dispatcher, dispatcher
-from scheduling.errors import JobAlreadyEnded, TooManyJobs
-from scheduling.models import ACTIVE_STATES, HELD_STATES, UNFINISHED_STATES, Job, JobState
+from scheduling.errors import JobAlreadyEnded, JobNotPaused, TooManyJobs
+from scheduling.models import ENDED_STATES, HELD_STATES, UNFINISHED_STATES, Job, JobState
 from scheduling.policy import Assignment, QueuedJob, retry_decision
 from workers import selectors as worker_rows
 
@@ -36,6 +37,8 @@ EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 WORKER_LOST = "worker_lost"
 MAX_IMAGE_BYTES = 12 * 1024 * 1024
 WORKERS_GROUP = "potocolom.workers"  # every worker socket of every API process, when the queue is shared
+# What a job leaves behind when it goes back off its worker (sent back, preempted, paused).
+_OFF_WORKER: dict[str, Any] = {"worker_id": None, "dispatched_at": None, "started_at": None}
 
 
 @dataclass(frozen=True)
@@ -161,14 +164,16 @@ def _tell_holder(current: Dispatcher, holder: str | None, job_id: str, worker_id
 
 
 def job_cancel(*, job: Job, now: datetime) -> Job:
-    """Cancel a job that has not ended; a worker holding it gets `cancel` (a v2 worker's place frees
-    when it lets the job go, a v1 worker's at once). JobAlreadyEnded otherwise."""
+    """Cancel a job that has not ended (a paused one too); a worker holding it gets `cancel` (a v2
+    worker's place frees when it lets the job go, a v1 worker's at once), and its stored checkpoint
+    is deleted. JobAlreadyEnded otherwise."""
     with transaction.atomic():
-        cancelled = Job.objects.filter(id=job.id, state__in=ACTIVE_STATES).update(
-            state=JobState.CANCELLED, finished_at=now)
+        cancelled = Job.objects.filter(id=job.id, state__in=UNFINISHED_STATES).update(
+            state=JobState.CANCELLED, finished_at=now, pause_requested=False)
     job.refresh_from_db()
     if not cancelled:
         raise JobAlreadyEnded(f"job {job.id} already ended: {job.state}")
+    _drop_checkpoint(job)
     current = dispatcher()
     current.remove(str(job.id))
     holder = current.release(str(job.id), until_let_go=True)
@@ -184,7 +189,7 @@ def job_requeue(*, job: Job, now: datetime) -> Job:
     with transaction.atomic():
         moved = Job.objects.filter(id=job.id).exclude(state__in=(JobState.QUEUED, JobState.SUCCEEDED)).update(
             state=JobState.QUEUED, worker_id=None, dispatched_at=None, started_at=None, finished_at=None,
-            error=None, attempts=1, progress_step=None, progress_steps=None)
+            error=None, attempts=1, progress_step=None, progress_steps=None, pause_requested=False)
     job.refresh_from_db()
     if moved:
         current = dispatcher()
@@ -193,6 +198,73 @@ def job_requeue(*, job: Job, now: datetime) -> Job:
         current.push(queued_job(job))
         jobs_dispatch_or_wake(queued={str(job.id)}, now=now)
     return job
+
+
+def job_pause(*, job: Job, now: datetime) -> Job:
+    """Pause a job that has not ended. A queued one is paused at once: it leaves the queue (its key,
+    and its account's turn, stay in the row for its resume). A held one is preempted (_preempt) and
+    becomes paused when its worker answers. A paused one stays so. JobAlreadyEnded for an ended one."""
+    if Job.objects.filter(id=job.id, state=JobState.QUEUED).update(state=JobState.PAUSED):
+        dispatcher().remove(str(job.id))
+    elif Job.objects.filter(id=job.id, state__in=HELD_STATES, pause_requested=False).update(pause_requested=True):
+        worker_id = Job.objects.filter(id=job.id).values_list("worker_id", flat=True).first()
+        _preempt(dispatcher(), str(job.id), worker_id, now=now)
+    job.refresh_from_db()
+    if job.state in ENDED_STATES:
+        raise JobAlreadyEnded(f"job {job.id} already ended: {job.state}")
+    return job
+
+
+def job_resume(*, job: Job, now: datetime) -> Job:
+    """A paused job is queued again at its old place: the same key (priority, submission) in its
+    account's line, and the account's turn untouched, as for a job sent back. JobNotPaused for a job
+    in another unfinished state (one being preempted for a pause too), JobAlreadyEnded for an ended one."""
+    resumed = Job.objects.filter(id=job.id, state=JobState.PAUSED).update(state=JobState.QUEUED)
+    job.refresh_from_db()
+    if not resumed:
+        if job.state in ENDED_STATES:
+            raise JobAlreadyEnded(f"job {job.id} already ended: {job.state}")
+        raise JobNotPaused(f"job {job.id} is not paused: {job.state}")
+    _queue_and_dispatch(job, now=now)
+    return job
+
+
+def _preempt(current: Dispatcher, job_id: str, worker_id: str | None, *, now: datetime) -> None:
+    """Take a held job off its worker for a pause. A v2 worker connected here gets `preempt`; the
+    job counts against its depth until its `job_preempted`, which pauses it with its checkpoint.
+    Any other holder (a v1 worker, one not back since this process started, or one connected to
+    another process, whose protocol only that process knows) is told to cancel it, and the job is
+    paused at once, with no new checkpoint."""
+    holder = current.holder_of(job_id)
+    if holder is not None and holder.protocol >= PROTOCOL_V2:
+        to_socket_after_commit(holder.channel_name, Preempt(job_id).to_wire())
+        return
+    released = current.release(job_id)
+    _tell_holder(current, released, job_id, worker_id)
+    Job.objects.filter(id=job_id, state__in=HELD_STATES).update(
+        state=JobState.PAUSED, pause_requested=False, preemptions=F("preemptions") + 1, **_OFF_WORKER)
+    if released:
+        jobs_dispatch(now=now)
+
+
+def _send_back(held: QuerySet[Job], **fields: Any) -> JobState | None:
+    """Move a held job off its worker: to `queued`, or to `paused` when a pause was asked. Two
+    compare-and-sets, so that a pause asked meanwhile is never lost; the state it went to, or None
+    when `held` no longer finds it."""
+    if held.filter(pause_requested=False).update(state=JobState.QUEUED, **_OFF_WORKER, **fields):
+        return JobState.QUEUED
+    if held.filter(pause_requested=True).update(state=JobState.PAUSED, pause_requested=False, **_OFF_WORKER,
+                                                 **fields):
+        return JobState.PAUSED
+    return None
+
+
+def _drop_checkpoint(job: Job) -> None:
+    """An ended job keeps no checkpoint: its row forgets it, its blob is deleted."""
+    if job.checkpoint:
+        Job.objects.filter(id=job.id, checkpoint=job.checkpoint).update(checkpoint="", checkpoint_step=None)
+        checkpoint_discard(job.checkpoint)
+        job.checkpoint, job.checkpoint_step = "", None
 
 
 # --- worker side ------------------------------------------------------------------------------
@@ -246,9 +318,8 @@ def job_finish(*, worker_id: str, job_id: str, images: list[str], gpu_ms: float 
     try:
         for n, (data, extension) in enumerate(decoded):
             names.append(default_storage.save(f"jobs/{job_id}/{n}.{extension}", ContentFile(data)))
-        finished = Job.objects.filter(id=job_id, worker_id=worker_id, state__in=HELD_STATES).update(
-            state=JobState.SUCCEEDED, images=names, gpu_ms=gpu_ms, rung=rung[:40], finished_at=now,
-            started_at=Coalesce(F("started_at"), Value(now))) == 1
+        finished = _end_held(job_id, worker_id, state=JobState.SUCCEEDED, images=names, gpu_ms=gpu_ms,
+                             rung=rung[:40], finished_at=now, started_at=Coalesce(F("started_at"), Value(now)))
     except Exception:
         _delete_images(names)  # nothing stored: the caller does not ack, and a v2 worker sends it again
         raise
@@ -271,11 +342,95 @@ def job_fail(*, worker_id: str, job_id: str, error: str, now: datetime) -> bool:
     """A failure the worker reports is final. A v2 worker's answer to `cancel` only frees its place."""
     if _let_go(job_id, worker_id, now=now):
         return False
-    failed = Job.objects.filter(id=job_id, worker_id=worker_id, state__in=HELD_STATES).update(
-        state=JobState.FAILED, error=str(error)[:2000] or "failed", finished_at=now) == 1
+    failed = _end_held(job_id, worker_id, state=JobState.FAILED, error=str(error)[:2000] or "failed",
+                       finished_at=now)
     # Also when it changed nothing: the worker runs it no more, whatever the database says.
     _release_and_dispatch(job_id, worker_id, now=now)
     return failed
+
+
+def _end_held(job_id: str, worker_id: str, **fields: Any) -> bool:
+    """Compare-and-set a job this worker holds to its end (`fields`); its stored checkpoint goes
+    with it. A job without one (nearly all) costs one statement, as before checkpoints existed."""
+    held = Job.objects.filter(id=job_id, worker_id=worker_id, state__in=HELD_STATES)
+    if held.filter(checkpoint="").update(**fields):
+        return True
+    name = held.values_list("checkpoint", flat=True).first()
+    if not name or not held.filter(checkpoint=name).update(checkpoint="", checkpoint_step=None, **fields):
+        return False
+    checkpoint_discard(name)
+    return True
+
+
+def job_checkpoint(*, worker_id: str, job_id: str, step: int, steps: int, checkpoint: bytes, now: datetime) -> bool:
+    """A running job's periodic checkpoint (`job_checkpoint`) replaces the stored one: what the job
+    resumes from if its worker dies. False, and nothing kept, when this worker no longer holds it."""
+    held = Job.objects.filter(id=job_id, worker_id=worker_id, state__in=HELD_STATES)
+    previous = held.values_list("checkpoint", flat=True).first()
+    stored = _store_checkpoint(job_id, step, checkpoint) if previous is not None else ""
+    if not stored:
+        return False
+    try:
+        kept = held.filter(checkpoint=previous).update(checkpoint=stored, checkpoint_step=step) == 1
+    except Exception:
+        checkpoint_discard(stored, keep=previous or "")
+        raise
+    if kept:
+        checkpoint_discard(previous or "", keep=stored)
+    else:
+        checkpoint_discard(stored, keep=previous or "")
+    return kept
+
+
+def job_preempted(*, worker_id: str, job_id: str, step: int, steps: int, checkpoint: bytes | None,
+                  now: datetime) -> bool:
+    """A worker stopped a job at a step boundary (told to by `preempt`, or draining) and no longer
+    holds it. Its checkpoint replaces the stored one, and the job goes back to `queued` at its old
+    place with the same attempts (the retry rule is for dead workers), or to `paused` when a pause
+    was asked. A null checkpoint (not started yet, or a scheduler that cannot be resumed) keeps the
+    stored one, if any: it is still the job's exact state at its step. False when the answer
+    changed nothing (the job was cancelled or requeued meanwhile, or is another worker's); the
+    worker's place frees all the same."""
+    if _let_go(job_id, worker_id, now=now):
+        return False
+    held = Job.objects.filter(id=job_id, worker_id=worker_id, state__in=HELD_STATES)
+    job = held.first()
+    if job is None:
+        _release_and_dispatch(job_id, worker_id, now=now)
+        return False
+    stored = _store_checkpoint(job_id, step, checkpoint) if checkpoint is not None else ""
+    fields: dict[str, Any] = {"preemptions": F("preemptions") + 1}
+    if stored:
+        fields |= {"checkpoint": stored, "checkpoint_step": step}
+    try:
+        back = _send_back(held, **fields)
+    except Exception:
+        checkpoint_discard(stored, keep=job.checkpoint)
+        raise
+    if back is None:  # cancelled or requeued since the read: this checkpoint is no one's
+        checkpoint_discard(stored, keep=job.checkpoint)
+        _release_and_dispatch(job_id, worker_id, now=now)
+        return False
+    checkpoint_discard(job.checkpoint if stored else "", keep=stored)
+    log.info("job %s preempted on %s at step %d of %d: now %s", job_id, worker_id, step, steps, back.value)
+    current = dispatcher()
+    current.release(job_id, worker_id=worker_id)
+    if back == JobState.QUEUED:
+        current.push(queued_job(job))
+        jobs_dispatch_or_wake(queued={job_id}, now=now)
+    else:
+        jobs_dispatch(now=now)
+    return True
+
+
+def _store_checkpoint(job_id: str, step: int, data: bytes) -> str:
+    """Store a worker's checkpoint; its storage name, or "" for one over the contract's size (the
+    job then resumes from the checkpoint it had, or step 0)."""
+    try:
+        return checkpoint_save(job_id, step, data)
+    except ValueError as exc:
+        log.warning("job %s: checkpoint refused: %s", job_id, exc)
+        return ""
 
 
 def _let_go(job_id: str, worker_id: str, *, now: datetime) -> bool:
@@ -307,15 +462,16 @@ def jobs_return(*, job_ids: set[str], now: datetime) -> None:
     for job in Job.objects.filter(id__in=job_ids, state__in=HELD_STATES):
         current.release(str(job.id))
         if retry_decision(attempts=job.attempts) == "requeue":
-            moved = Job.objects.filter(id=job.id, state__in=HELD_STATES, attempts=job.attempts).update(
-                state=JobState.QUEUED, worker_id=None, attempts=job.attempts + 1, dispatched_at=None,
-                started_at=None, progress_step=None, progress_steps=None)
-            if moved:
+            # back at its old place, from its latest checkpoint; paused instead when a pause was asked
+            back = _send_back(Job.objects.filter(id=job.id, state__in=HELD_STATES, attempts=job.attempts),
+                              attempts=job.attempts + 1, progress_step=None, progress_steps=None)
+            if back == JobState.QUEUED:
                 current.push(queued_job(job))
                 requeued.append(str(job.id))
-        else:
-            Job.objects.filter(id=job.id, state__in=HELD_STATES).update(
-                state=JobState.FAILED, error=WORKER_LOST, finished_at=now)
+        elif Job.objects.filter(id=job.id, state__in=HELD_STATES).update(
+                state=JobState.FAILED, error=WORKER_LOST, finished_at=now, pause_requested=False, checkpoint="",
+                checkpoint_step=None):
+            checkpoint_discard(job.checkpoint)
     jobs_dispatch_or_wake(queued=set(requeued), now=now)
 
 
@@ -328,14 +484,19 @@ def worker_jobs_connect(*, worker_id: str, channel_name: str, models: list[str],
     restarted meanwhile) are cancelled on it first. A v2 worker (`listed`: its hello's `jobs`)
     keeps those it lists, the others follow the dead-worker rule at once, and a listed job the API
     does not give it gets `cancel`."""
-    held = {str(job_id) for job_id in Job.objects.filter(worker_id=worker_id, state__in=HELD_STATES)
-            .values_list("id", flat=True)}
-    joined = dispatcher().connect(worker_id=worker_id, channel_name=channel_name, models=models, held=held,
-                                  protocol=protocol, listed=listed)
+    rows = list(Job.objects.filter(worker_id=worker_id, state__in=HELD_STATES).values_list("id", "pause_requested"))
+    held = {str(job_id) for job_id, _ in rows}
+    current = dispatcher()
+    joined = current.connect(worker_id=worker_id, channel_name=channel_name, models=models, held=held,
+                             protocol=protocol, listed=listed)
     for job_id in sorted(joined.cancel):
         to_socket_after_commit(channel_name, Cancel(job_id).to_wire())
     if joined.lost:
         jobs_return(job_ids=joined.lost, now=now)
+    # A pause asked while it held a job: its preempt (or its answer) may have been lost with the
+    # connection, so the worker that still holds the job is asked again.
+    for job_id in sorted({str(job_id) for job_id, asked in rows if asked} - joined.lost):
+        _preempt(current, job_id, worker_id, now=now)
     orphans_sweep(now=now)
     jobs_dispatch(now=now)
     return joined.replaced

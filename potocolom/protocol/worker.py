@@ -330,6 +330,15 @@ class Cancel(Message):
 
 
 @dataclass(frozen=True)
+class Preempt(Message):
+    """v2: stop the job at its next step boundary (at once if not started) and answer
+    `job_preempted` with its checkpoint; the worker then no longer holds it."""
+
+    type = "preempt"
+    job_id: str
+
+
+@dataclass(frozen=True)
 class SessionStart(Message):
     type = "session_start"
     session_id: str
@@ -354,7 +363,7 @@ class FrameOrder(Message):
     params: dict[str, Any] = field(default_factory=dict)
 
 
-ApiMessage = Welcome | JobOrder | Cancel | SessionStart | SessionEnd | FrameOrder | JobAck
+ApiMessage = Welcome | JobOrder | Cancel | Preempt | SessionStart | SessionEnd | FrameOrder | JobAck
 
 
 def _id(message: dict[str, Any], name: str) -> str:
@@ -400,6 +409,7 @@ _API_PARSERS: dict[str, Callable[[dict[str, Any]], ApiMessage]] = {
     "welcome": _welcome,
     "job": lambda m: JobOrder(_id(m, "job_id"), _attempt(m), _id(m, "model_id"), m.get("params", {})),
     "cancel": lambda m: Cancel(_id(m, "job_id")),
+    "preempt": lambda m: Preempt(_id(m, "job_id")),
     "session_start": lambda m: SessionStart(_id(m, "session_id"), _id(m, "model_id"), m.get("params")),
     "session_end": lambda m: SessionEnd(_id(m, "session_id")),
     "frame": _frame_order,

@@ -20,6 +20,7 @@ HTTP_STATUS = {
     "invalid_params": status.HTTP_400_BAD_REQUEST,
     "no_matching_model": status.HTTP_400_BAD_REQUEST,
     "job_already_ended": status.HTTP_409_CONFLICT,
+    "job_not_paused": status.HTTP_409_CONFLICT,
     "too_many_jobs": status.HTTP_429_TOO_MANY_REQUESTS,
     "throttled": status.HTTP_429_TOO_MANY_REQUESTS,
     "request_too_large": status.HTTP_413_REQUEST_ENTITY_TOO_LARGE,

@@ -169,6 +169,20 @@ def a_job_sent_back_keeps_its_place_in_its_line_and_the_account_its_turn(queues)
     assert queues.turns() == [Turn("m", "alice", 100)]
 
 
+def a_paused_job_leaves_the_queue_and_its_resume_puts_it_back_at_its_old_place(queues):
+    contract_example(queues)
+    paused = queues.remove("a2")  # pausing a queued job takes it out; its row keeps its key
+    assert queues.position("a2") is None
+    assert ids(queues.queued("m")) == ["a1", "b1", "a3", "b2", "a4", "a5", "a6"]
+    assert ids([queues.pop_for(["m"], at_us=100), queues.pop_for(["m"], at_us=101)]) == ["a1", "b1"]
+
+    queues.push(paused)  # resumed: alice's turn (100) comes before bob's (101), and a2 heads her line
+
+    assert ids(queues.queued("m")) == ["a2", "b2", "a3", "a4", "a5", "a6"]
+    assert queues.position("a2") == 1
+    assert queues.turns() == [Turn("m", "alice", 100), Turn("m", "bob", 101)]
+
+
 def the_turns_survive_a_rebuild_from_the_database_rows(queues):
     contract_example(queues)
     queues.pop_for(["m"], at_us=100)
@@ -204,6 +218,7 @@ FAIR_SHARE_CASES = [accounts_take_turns_whatever_came_first,
                     a_high_priority_job_takes_its_own_accounts_turn_and_never_moves_another_back,
                     an_account_arriving_later_joins_the_round_after_those_served_before_it,
                     a_job_sent_back_keeps_its_place_in_its_line_and_the_account_its_turn,
+                    a_paused_job_leaves_the_queue_and_its_resume_puts_it_back_at_its_old_place,
                     the_turns_survive_a_rebuild_from_the_database_rows,
                     across_a_workers_models_the_oldest_turn_goes_first,
                     a_dispatch_without_a_time_still_sends_the_account_to_the_back]
