@@ -90,6 +90,9 @@ SESSION_IDLE_SECONDS = envfloat("SESSION_IDLE_SECONDS", 60.0)
 SESSION_SWEEP_SECONDS = envfloat("SESSION_SWEEP_SECONDS", 30.0)
 FRAME_BUDGET_MS = envfloat("FRAME_BUDGET_MS", 500.0)
 WORKER_HEARTBEAT_SECONDS = envfloat("WORKER_HEARTBEAT_SECONDS", 10.0)
+# A v2 worker sends a running job's checkpoint this often (welcome.checkpoint_seconds): what the
+# job resumes from if its worker dies. 0: never (a dead worker's jobs then restart from step 0).
+JOB_CHECKPOINT_SECONDS = envint("JOB_CHECKPOINT_SECONDS", 10, minimum=0)
 MEMORY_MODE = envstr("MEMORY_MODE", "auto")
 if MEMORY_MODE not in MEMORY_MODES:
     raise ImproperlyConfigured(f"MEMORY_MODE must be one of {', '.join(MEMORY_MODES)}, got {MEMORY_MODE!r}")

@@ -19,13 +19,14 @@ from django.core.files.storage import default_storage
 from django.db import connection, transaction
 from django.db.models import F, QuerySet, Value
 from django.db.models.functions import Coalesce
+from django.utils.crypto import salted_hmac
 
 from models_registry.routing import route
 from models_registry.selectors import registered_manifests
-from potocolom.protocol.worker import PROTOCOL_V2, Cancel, JobOrder, Preempt
+from potocolom.protocol.worker import MAX_CHECKPOINT_CHARS, PROTOCOL_V2, Cancel, JobOrder, Preempt, Resume
 from potocolom.transport import relay
 from potocolom.transport.notify import to_socket_after_commit
-from scheduling.checkpoints import checkpoint_discard, checkpoint_save
+from scheduling.checkpoints import checkpoint_discard, checkpoint_read, checkpoint_save
 from scheduling.dispatcher import Dispatcher, dispatcher
 from scheduling.errors import JobAlreadyEnded, JobNotPaused, TooManyJobs
 from scheduling.models import ENDED_STATES, HELD_STATES, UNFINISHED_STATES, Job, JobState
@@ -37,6 +38,7 @@ EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 WORKER_LOST = "worker_lost"
 MAX_IMAGE_BYTES = 12 * 1024 * 1024
 WORKERS_GROUP = "potocolom.workers"  # every worker socket of every API process, when the queue is shared
+ACCOUNT_KEY_SALT = "potocolom.scheduling.worker-account"  # job.account: an HMAC of the account id
 # What a job leaves behind when it goes back off its worker (sent back, preempted, paused).
 _OFF_WORKER: dict[str, Any] = {"worker_id": None, "dispatched_at": None, "started_at": None}
 
@@ -59,15 +61,26 @@ def queued_job(job: Job) -> QueuedJob:
                      account=str(job.account_id))
 
 
-def _claim(*, job_id: str, worker_id: str, turn_us: int | None, now: datetime) -> tuple[int, dict[str, Any]] | None:
+@dataclass(frozen=True)
+class Claimed:
+    """What a dispatch's compare-and-set read back for the job order: its attempt and params, and
+    its stored checkpoint (storage name, "" without one, and the step it holds)."""
+
+    attempts: int
+    params: Any
+    checkpoint: str
+    checkpoint_step: int | None
+
+
+def _claim(*, job_id: str, worker_id: str, turn_us: int | None, now: datetime) -> Claimed | None:
     """Compare-and-set queued -> dispatched, recording the turn the dispatch gave the job's
-    account; the job's attempt and params, or None when it is no longer queued. One statement
-    (UPDATE ... RETURNING, PostgreSQL and SQLite >= 3.35), since the claim sits on the submit ->
-    dispatch path."""
+    account; what the job order needs of the row, or None when it is no longer queued. One
+    statement (UPDATE ... RETURNING, PostgreSQL and SQLite >= 3.35), since the claim sits on the
+    submit -> dispatch path."""
     fields = Job._meta
     sql = (f"UPDATE {fields.db_table} SET state = %s, worker_id = %s, dispatched_at = %s, "
            "turn_us = COALESCE(%s, turn_us), progress_step = NULL, progress_steps = NULL "
-           "WHERE id = %s AND state = %s RETURNING attempts, params")
+           "WHERE id = %s AND state = %s RETURNING attempts, params, checkpoint, checkpoint_step")
     dispatched_at = fields.get_field("dispatched_at").get_db_prep_value(now, connection)
     values = [JobState.DISPATCHED.value, worker_id, dispatched_at, turn_us,
               fields.pk.get_db_prep_value(uuid.UUID(job_id), connection), JobState.QUEUED.value]
@@ -77,11 +90,48 @@ def _claim(*, job_id: str, worker_id: str, turn_us: int | None, now: datetime) -
     if row is None:
         return None
     params = row[1]  # text from both backends (Django loads jsonb as text), unless a driver decoded it
-    return row[0], json.loads(params) if isinstance(params, (str, bytes)) else params
+    return Claimed(row[0], json.loads(params) if isinstance(params, (str, bytes)) else params, row[2] or "", row[3])
+
+
+def account_key(account_id: str) -> str:
+    """`job.account` for a v2 worker: the same opaque key for every job of one account (so that the
+    worker can apply its priority rule within an account), which tells it nothing else about the
+    account (an HMAC of its id under SECRET_KEY)."""
+    return salted_hmac(ACCOUNT_KEY_SALT, account_id).hexdigest()[:32]
+
+
+def _job_order(job: QueuedJob, claimed: Claimed, *, protocol: int) -> JobOrder:
+    """The `job` message: v1's fields for a v1 worker; a v2 worker also gets the job's priority,
+    its account's key and, when it has a stored checkpoint, `resume` (a checkpoint that cannot be
+    read, or is over the wire's size, is left out: the job restarts from step 0)."""
+    if protocol < PROTOCOL_V2:
+        return JobOrder(job.job_id, claimed.attempts, job.model_id, claimed.params)
+    return JobOrder(job.job_id, claimed.attempts, job.model_id, claimed.params, priority=job.priority,
+                    account=account_key(job.account), resume=_resume_of(job.job_id, claimed))
+
+
+def _resume_of(job_id: str, claimed: Claimed) -> Resume | None:
+    """A job's stored checkpoint as `job.resume`, or None without a usable one."""
+    if not claimed.checkpoint or claimed.checkpoint_step is None:
+        return None
+    try:
+        data = checkpoint_read(claimed.checkpoint)
+    except Exception:  # the storage is failing: the job runs all the same, from step 0
+        log.exception("job %s: its checkpoint %s could not be read; it restarts from step 0", job_id,
+                      claimed.checkpoint)
+        return None
+    if data is None:
+        return None
+    text = base64.b64encode(data).decode("ascii")
+    if len(text) > MAX_CHECKPOINT_CHARS:
+        log.warning("job %s: its checkpoint is over the wire's size; it restarts from step 0", job_id)
+        return None
+    return Resume(claimed.checkpoint_step, text)
 
 
 def jobs_dispatch(*, now: datetime) -> list[Assignment]:
-    """Hand queued jobs to workers with room, claiming each in the database first."""
+    """Hand queued jobs to workers with room, claiming each in the database first; each gets the
+    `job` its worker's protocol reads."""
     current = dispatcher()
 
     def claim(assignment: Assignment) -> bool:
@@ -89,10 +139,10 @@ def jobs_dispatch(*, now: datetime) -> list[Assignment]:
         claimed = _claim(job_id=job.job_id, worker_id=assignment.worker_id, turn_us=job.turn_us, now=now)
         if claimed is None:
             return False
-        channel = current.channel_of(assignment.worker_id)
-        if channel:
-            attempts, params = claimed
-            to_socket_after_commit(channel, JobOrder(job.job_id, attempts, job.model_id, params).to_wire())
+        worker = current.workers.get(assignment.worker_id)  # plan() holds the dispatcher's lock
+        if worker is not None:
+            order = _job_order(job, claimed, protocol=worker.protocol)
+            to_socket_after_commit(worker.channel_name, order.to_wire())
         return True
 
     return current.plan(claim, at_us=to_microseconds(now))

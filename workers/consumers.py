@@ -1,6 +1,7 @@
 """The worker socket /ws/worker/ (token in `Authorization: Token T` or `?token=T`): translates between
 the wire (potocolom.protocol.worker) and workers.lifecycle, scheduling and realtime. v2 messages
-(job_ack) go only to a worker whose hello said `"protocol": 2`. The story: docs/protocol.md."""
+(job_ack, preempt, a job's resume) go only to a worker whose hello said `"protocol": 2`. The story:
+docs/protocol.md."""
 from __future__ import annotations
 
 import asyncio
@@ -24,7 +25,9 @@ from potocolom.protocol.worker import (
     Heartbeat,
     Hello,
     JobAck,
+    JobCheckpoint,
     JobFailed,
+    JobPreempted,
     JobProgress,
     JobResult,
     JobStarted,
@@ -33,6 +36,7 @@ from potocolom.protocol.worker import (
     SessionRefused,
     Welcome,
     WorkerMessage,
+    checkpoint_bytes,
     parse_worker_message,
 )
 from potocolom.transport import relay
@@ -112,7 +116,7 @@ class WorkerConsumer(RelayConsumer):
         try:
             if isinstance(message, FrameResult):
                 await self.on_frame_result(message)
-            elif isinstance(message, (JobResult, JobFailed)):
+            elif isinstance(message, (JobResult, JobFailed, JobPreempted)):
                 await self.on_final(message)
             elif not isinstance(message, Heartbeat):
                 await database_sync_to_async(self.handle)(message)
@@ -144,8 +148,9 @@ class WorkerConsumer(RelayConsumer):
             await self.close(code=close_code_of(exc))
             return
         self.worker_id, self.protocol, self.seen_written = hello.worker_id, hello.protocol, time.monotonic()
-        await self.send(text_data=json.dumps(Welcome(arrival.unknown, settings.WORKER_HEARTBEAT_SECONDS,
-                                                     settings.FRAME_BUDGET_MS, protocol=hello.protocol).to_wire()))
+        welcome = Welcome(arrival.unknown, settings.WORKER_HEARTBEAT_SECONDS, settings.FRAME_BUDGET_MS,
+                          protocol=hello.protocol, checkpoint_seconds=float(settings.JOB_CHECKPOINT_SECONDS))
+        await self.send(text_data=json.dumps(welcome.to_wire()))
         if shared_queue():
             await relay.group_membership(self.channel_layer, jobs.WORKERS_GROUP, self.channel_name)
         replaced = await database_sync_to_async(lifecycle.worker_connected)(
@@ -153,10 +158,10 @@ class WorkerConsumer(RelayConsumer):
         if replaced:
             await relay.send(replaced, {"type": "worker.replaced"})
 
-    async def on_final(self, message: JobResult | JobFailed) -> None:
-        """Store a job's result or failure; a v2 worker gets job_ack once it is stored (also when it
-        changed nothing: a duplicate, or a job it no longer holds). A storage or database error is
-        logged and not acked: the worker sends it again."""
+    async def on_final(self, message: JobResult | JobFailed | JobPreempted) -> None:
+        """Store a job's result, failure or preemption; a v2 worker gets job_ack once it is stored
+        (also when it changed nothing: a duplicate, or a job it no longer holds). A storage or
+        database error is logged and not acked: the worker sends it again."""
         try:
             await database_sync_to_async(self.handle)(message)
         except Exception:
@@ -179,6 +184,13 @@ class WorkerConsumer(RelayConsumer):
                             gpu_ms=message.gpu_ms, rung=message.rung, now=now)
         elif isinstance(message, JobFailed):
             jobs.job_fail(worker_id=worker_id, job_id=message.job_id, error=message.error, now=now)
+        elif isinstance(message, JobPreempted):
+            checkpoint = None if message.checkpoint is None else checkpoint_bytes(message.checkpoint)
+            jobs.job_preempted(worker_id=worker_id, job_id=message.job_id, step=message.step, steps=message.steps,
+                               checkpoint=checkpoint, now=now)
+        elif isinstance(message, JobCheckpoint):
+            jobs.job_checkpoint(worker_id=worker_id, job_id=message.job_id, step=message.step, steps=message.steps,
+                                checkpoint=checkpoint_bytes(message.checkpoint), now=now)
         elif isinstance(message, SessionAccepted):
             sessions.session_accept(worker_id=worker_id, session_id=message.session_id,
                                     channel_name=self.channel_name, now=now)

@@ -3,6 +3,8 @@
 The API parses what workers send and builds what it sends them; the worker program does the reverse."""
 from __future__ import annotations
 
+import base64
+import binascii
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -12,6 +14,8 @@ from potocolom.protocol.errors import MessageError
 from potocolom.protocol.rungs import RUNG_FULL, RUNGS
 
 MAX_MODELS = 1000  # model entries in one hello
+MAX_CHECKPOINT_CHARS = 8 * 2**20  # a checkpoint's base64 text (job_checkpoint, job_preempted, job.resume)
+MAX_STEPS = 100_000  # job_preempted / job_checkpoint `steps`: far above any real schedule
 MAX_HELD_JOBS = 1000  # job ids in a v2 hello's `jobs`
 PROTOCOL_V1 = 1  # a hello or welcome without `protocol`
 PROTOCOL_V2 = 2  # the highest protocol this code speaks
@@ -49,6 +53,34 @@ def _uuid(message: dict[str, Any], name: str) -> str:
         return str(uuid.UUID(value))
     except ValueError:
         raise MessageError(f"{name} must be a UUID string") from None
+
+
+def _steps(message: dict[str, Any]) -> tuple[int, int]:
+    """`step` and `steps` of a step-boundary message: 0 <= step <= steps, 1 <= steps."""
+    step, steps = _int(message, "step"), _int(message, "steps", minimum=1)
+    if steps > MAX_STEPS or step > steps:
+        raise MessageError(f"step must be at most steps, and steps at most {MAX_STEPS}")
+    return step, steps
+
+
+def checkpoint_bytes(text: Any) -> bytes:
+    """A checkpoint's bytes from the wire's base64 text (at most MAX_CHECKPOINT_CHARS, standard
+    alphabet); MessageError for anything else."""
+    if not isinstance(text, str) or not text or len(text) > MAX_CHECKPOINT_CHARS:
+        raise MessageError(f"checkpoint must be a non-empty base64 string of at most {MAX_CHECKPOINT_CHARS} "
+                           "characters")
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise MessageError("checkpoint is not valid base64") from None
+
+
+def _checkpoint(message: dict[str, Any], *, nullable: bool) -> str | None:
+    value = message.get("checkpoint")
+    if value is None and nullable:
+        return None
+    checkpoint_bytes(value)  # checked here; the API decodes it again to store it
+    return str(value)
 
 
 def _object_or_none(message: dict[str, Any], name: str) -> dict[str, Any] | None:
@@ -151,6 +183,31 @@ class JobFailed(Message):
 
 
 @dataclass(frozen=True)
+class JobPreempted(Message):
+    """v2: the worker stopped the job at the boundary after `step` of `steps` (0 and no checkpoint
+    when it had not started; the answer to `preempt`, or a drain) and no longer holds it.
+    `checkpoint`: base64 (at most MAX_CHECKPOINT_CHARS), or None when it could not be captured."""
+
+    type = "job_preempted"
+    job_id: str
+    step: int
+    steps: int
+    checkpoint: str | None
+
+
+@dataclass(frozen=True)
+class JobCheckpoint(Message):
+    """v2: a running job's state at the boundary after `step`, every `checkpoint_seconds`; what the
+    job resumes from if its worker dies."""
+
+    type = "job_checkpoint"
+    job_id: str
+    step: int
+    steps: int
+    checkpoint: str
+
+
+@dataclass(frozen=True)
 class RungChanged(Message):
     """After an out-of-memory demotion: the model's whole hello entry on its new rung."""
 
@@ -189,8 +246,8 @@ class Heartbeat(Message):
     type = "heartbeat"
 
 
-WorkerMessage = (Hello | JobStarted | JobProgress | JobResult | JobFailed | RungChanged | SessionAccepted
-                 | SessionRefused | FrameResult | Heartbeat)
+WorkerMessage = (Hello | JobStarted | JobProgress | JobResult | JobFailed | JobPreempted | JobCheckpoint
+                 | RungChanged | SessionAccepted | SessionRefused | FrameResult | Heartbeat)
 
 
 def _hello(message: dict[str, Any]) -> Hello:
@@ -237,6 +294,18 @@ def _job_failed(message: dict[str, Any]) -> JobFailed:
     return JobFailed(_uuid(message, "job_id"), error or "failed")
 
 
+def _job_preempted(message: dict[str, Any]) -> JobPreempted:
+    step, steps = _steps(message)
+    return JobPreempted(_uuid(message, "job_id"), step, steps, _checkpoint(message, nullable=True))
+
+
+def _job_checkpoint(message: dict[str, Any]) -> JobCheckpoint:
+    step, steps = _steps(message)
+    checkpoint = _checkpoint(message, nullable=False)
+    assert checkpoint is not None
+    return JobCheckpoint(_uuid(message, "job_id"), step, steps, checkpoint)
+
+
 def _session_refused(message: dict[str, Any]) -> SessionRefused:
     reason = message.get("reason", "")
     if not isinstance(reason, str):
@@ -260,6 +329,8 @@ _WORKER_PARSERS: dict[str, Callable[[dict[str, Any]], WorkerMessage]] = {
     "job_progress": lambda m: JobProgress(_uuid(m, "job_id"), _int(m, "step"), _int(m, "steps")),
     "job_result": _job_result,
     "job_failed": _job_failed,
+    "job_preempted": _job_preempted,
+    "job_checkpoint": _job_checkpoint,
     "rung_changed": lambda m: RungChanged(ModelEntry.parse(m)),
     "session_accepted": lambda m: SessionAccepted(_uuid(m, "session_id")),
     "session_refused": _session_refused,
@@ -294,12 +365,13 @@ class Welcome(Message):
     heartbeat_seconds: float | None  # None: not usable (the worker then uses its own default)
     frame_budget_ms: float | None = None
     protocol: int = PROTOCOL_V1
+    checkpoint_seconds: float = 0.0  # v2: JOB_CHECKPOINT_SECONDS, 0 = no periodic job_checkpoint
 
     def to_wire(self) -> dict[str, Any]:
-        wire = {"type": self.type, "unknown_models": self.unknown_models,
-                "heartbeat_seconds": self.heartbeat_seconds, "frame_budget_ms": self.frame_budget_ms}
+        wire: dict[str, Any] = {"type": self.type, "unknown_models": self.unknown_models,
+                                "heartbeat_seconds": self.heartbeat_seconds, "frame_budget_ms": self.frame_budget_ms}
         if self.protocol >= PROTOCOL_V2:
-            wire["protocol"] = self.protocol
+            wire.update(protocol=self.protocol, checkpoint_seconds=self.checkpoint_seconds)
         return wire
 
 
@@ -313,14 +385,38 @@ class JobAck(Message):
 
 
 @dataclass(frozen=True)
+class Resume:
+    """v2 `job.resume`: the job's stored checkpoint, taken at the boundary after `step`."""
+
+    step: int
+    checkpoint: str  # base64, given back as the worker sent it
+
+
+@dataclass(frozen=True)
 class JobOrder(Message):
-    """`job`: a job for the worker to run."""
+    """`job`: a job for the worker to run. v2 adds `priority`, `account` (an opaque key, the same
+    for all jobs of one account) and, for a job with a stored checkpoint, `resume`; a v1 `job`
+    (all three None) has none of them."""
 
     type = "job"
     job_id: str
     attempt: int
     model_id: str
     params: Any = field(default_factory=dict)  # checked by the pipeline that runs it
+    priority: int | None = None
+    account: str | None = None
+    resume: Resume | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        wire: dict[str, Any] = {"type": self.type, "job_id": self.job_id, "attempt": self.attempt,
+                                "model_id": self.model_id, "params": self.params}
+        if self.priority is not None:
+            wire["priority"] = self.priority
+        if self.account is not None:
+            wire["account"] = self.account
+        if self.resume is not None:
+            wire["resume"] = {"step": self.resume.step, "checkpoint": self.resume.checkpoint}
+        return wire
 
 
 @dataclass(frozen=True)
@@ -376,6 +472,28 @@ def _attempt(message: dict[str, Any]) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else 1
 
 
+def _job_order(message: dict[str, Any]) -> JobOrder:
+    """A `job`; v2 fields that are off the contract are read as absent (a bad `resume` only means
+    the job starts from step 0, a bad `priority` that it is 0), never a reason to drop the job."""
+    priority = message.get("priority")
+    account = message.get("account")
+    return JobOrder(_id(message, "job_id"), _attempt(message), _id(message, "model_id"), message.get("params", {}),
+                    priority if isinstance(priority, int) and not isinstance(priority, bool) else None,
+                    account if isinstance(account, str) and 0 < len(account) <= 200 else None,
+                    _resume(message.get("resume")))
+
+
+def _resume(value: Any) -> Resume | None:
+    if not isinstance(value, dict):
+        return None
+    step, checkpoint = value.get("step"), value.get("checkpoint")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        return None
+    if not isinstance(checkpoint, str) or not checkpoint or len(checkpoint) > MAX_CHECKPOINT_CHARS:
+        return None
+    return Resume(step, checkpoint)
+
+
 def _welcome(message: dict[str, Any]) -> Welcome:
     period = message.get("heartbeat_seconds")
     usable = not isinstance(period, bool) and isinstance(period, (int, float)) and period > 0
@@ -385,10 +503,12 @@ def _welcome(message: dict[str, Any]) -> Welcome:
         protocol = _protocol(message)
     except MessageError:
         protocol = PROTOCOL_V1  # an API that says something odd gets v1
+    every = message.get("checkpoint_seconds")
+    every = float(every) if not isinstance(every, bool) and isinstance(every, (int, float)) and every > 0 else 0.0
     return Welcome([str(m) for m in unknown] if isinstance(unknown, list) else [],
                    float(period) if usable else None,  # type: ignore[arg-type]
                    float(budget) if isinstance(budget, (int, float)) and not isinstance(budget, bool) else None,
-                   protocol)
+                   protocol, every if protocol >= PROTOCOL_V2 else 0.0)
 
 
 def _frame_order(message: dict[str, Any]) -> FrameOrder:
@@ -407,7 +527,7 @@ def _frame_order(message: dict[str, Any]) -> FrameOrder:
 
 _API_PARSERS: dict[str, Callable[[dict[str, Any]], ApiMessage]] = {
     "welcome": _welcome,
-    "job": lambda m: JobOrder(_id(m, "job_id"), _attempt(m), _id(m, "model_id"), m.get("params", {})),
+    "job": _job_order,
     "cancel": lambda m: Cancel(_id(m, "job_id")),
     "preempt": lambda m: Preempt(_id(m, "job_id")),
     "session_start": lambda m: SessionStart(_id(m, "session_id"), _id(m, "model_id"), m.get("params")),
