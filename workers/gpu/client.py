@@ -1,7 +1,8 @@
 """The worker loop: the worker socket (potocolom.protocol.worker, both ways), reconnecting with
-backoff; jobs go to the denoising thread, frames of live sessions beside them, and everything the
-threads produce leaves through one outbox (outbox.py) that keeps final messages across a reconnect
-and, with a v2 API, until their job_ack."""
+backoff; jobs go to the denoising thread (which also answers `preempt` and checkpoints them at step
+boundaries), frames of live sessions beside them, and everything the threads produce leaves through
+one outbox (outbox.py) that keeps final messages across a reconnect and, with a v2 API, until their
+job_ack."""
 from __future__ import annotations
 
 import asyncio
@@ -26,6 +27,7 @@ from potocolom.protocol.worker import (
     JobAck,
     JobFailed,
     JobOrder,
+    Preempt,
     RungChanged,
     SessionEnd,
     SessionStart,
@@ -39,6 +41,7 @@ from workers.gpu.limits import Limits
 from workers.gpu.outbox import KEPT_WHILE_DOWN, Outbox, Outgoing
 from workers.gpu.sessions import SessionDesk
 from workers.gpu.slots import RealtimeCapacity
+from workers.gpu.steps import preempted_message
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +51,7 @@ DEFAULT_HEARTBEAT_SECONDS = 10.0
 OPEN_TIMEOUT_SECONDS = 10.0
 KEPT_TIMINGS = 1000  # WorkerClient.timings keeps the latest jobs only: a worker runs for days
 CANCELLED = "cancelled"  # job_failed.error of a job let go on a v2 API's cancel
+FINAL_OUTCOMES = {"job_result": "succeeded", "job_failed": "failed", "job_preempted": "preempted"}
 
 
 class WorkerClient:
@@ -76,6 +80,7 @@ class WorkerClient:
         self.welcome: dict[str, Any] | None = None  # the latest welcome
         self.welcomes = 0  # how many connections got as far as a welcome
         self.protocol = 1  # the protocol of the current connection: 2 once a v2 welcome came
+        self.checkpoint_seconds = 0.0  # the current connection's welcome.checkpoint_seconds (v2; 0: none)
         self._clock = clock
         self._backoff = Backoff(config.reconnect_initial_seconds, config.reconnect_max_seconds)
         self._held: dict[str, HeldJob] = {}
@@ -86,7 +91,7 @@ class WorkerClient:
                                   self._post_frame, clock=clock, max_image_pixels=limits.max_image_pixels)
         self._denoiser = DenoiseLoop(self.pipelines, self._post, self._let_go_threadsafe,
                                      encode=encode, clock=clock, frames=self.frames, memory_mode=memory_mode,
-                                     demote=self._demote_model)
+                                     demote=self._demote_model, checkpoint_seconds=lambda: self.checkpoint_seconds)
         self.sessions = SessionDesk(cast(Mapping[str, FramePipeline], self.pipelines), realtime or {}, self.frames,
                                     self._denoiser.wake, clock=clock)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -99,6 +104,7 @@ class WorkerClient:
         self._tasks: list[asyncio.Task[None]] = []
         self._handlers: dict[type, Callable[[Any], None]] = {
             Welcome: self._on_welcome, JobOrder: self._on_job, Cancel: self._on_cancel, JobAck: self._on_job_ack,
+            Preempt: self._on_preempt,
             SessionStart: self._on_session_start, SessionEnd: self._on_session_end, FrameOrder: self._on_frame,
         }
 
@@ -180,6 +186,7 @@ class WorkerClient:
             return
         self._ws = ws
         self.protocol = 1  # until this connection's welcome says otherwise
+        self.checkpoint_seconds = 0.0
         try:
             await ws.send(json.dumps(self.hello_message()))
             async for raw in ws:
@@ -229,6 +236,7 @@ class WorkerClient:
         self._welcomed_ws = self._ws
         self.welcomes += 1
         self.protocol = message.protocol
+        self.checkpoint_seconds = message.checkpoint_seconds if self.v2 else 0.0
         self._backoff.reset()
         log.info("welcomed by %s as %s (protocol %d, heartbeat every %s s)", self.config.api_url,
                  self.config.worker_id, self.protocol, period)
@@ -244,12 +252,13 @@ class WorkerClient:
             log.info("job %s is already held; ignoring the duplicate", job_id)
             return
         timing = JobTiming(job_id=job_id, model_id=model_id, received=self._clock())
-        job = HeldJob(job_id=job_id, model_id=model_id, params=message.params, timing=timing)
+        job = HeldJob(job_id=job_id, model_id=model_id, params=message.params, timing=timing,
+                      priority=message.priority or 0, account=message.account, resume=message.resume)
         self.timings.append(timing)
         self._held[job_id] = job
         self._denoiser.submit(job)
-        log.info("job %s (%s, attempt %s) received; holding %d", job_id, model_id, message.attempt,
-                 len(self._held))
+        log.info("job %s (%s, attempt %s, priority %d%s) received; holding %d", job_id, model_id, message.attempt,
+                 job.priority, f", from step {job.resume.step}" if job.resume else "", len(self._held))
 
     def _on_cancel(self, message: Cancel) -> None:
         """Let the job go: a waiting one at once, the running one at its next step boundary (no
@@ -266,11 +275,32 @@ class WorkerClient:
         if job is None:
             log.info("cancel for job %s, which this worker does not hold", job_id)
             return
-        if job.cancel(answer=self.v2):
+        if self._denoiser.cancel(job, answer=self.v2):
             log.info("job %s cancelled while it waited", job_id)
             self._let_go(job)
         else:
             log.info("job %s cancelled: it stops at its next step", job_id)
+
+    def _on_preempt(self, message: Preempt) -> None:
+        """Stop the job and answer job_preempted: a waiting one at once (step 0, no checkpoint; a
+        job set aside here with the checkpoint it was set aside with), the running one at its next
+        step boundary. Then the job is no longer held; its answer is kept until acknowledged."""
+        job_id = message.job_id
+        if self._outbox.holds_final(job_id):
+            log.info("preempt for job %s, which already ended: its final message answers it", job_id)
+            return
+        job = self._held.get(job_id)
+        if job is None:
+            log.info("preempt for job %s, which this worker does not hold", job_id)
+            return
+        where = self._denoiser.preempt(job)
+        if where is None:
+            log.info("job %s preempted: it stops at its next step boundary", job_id)
+            return
+        job.timing.outcome = "preempted"
+        log.info("job %s preempted while it waited (after step %d)", job_id, where.step)
+        answer = preempted_message(job_id, where)
+        self._enqueue(Outgoing(answer["type"], json.dumps(answer), job, job_id))
 
     def _on_job_ack(self, message: JobAck) -> None:
         out = self._outbox.ack(message.job_id)
@@ -375,7 +405,7 @@ class WorkerClient:
                 self._outbox.popleft()
                 self._outbox.sent(out, now=self._clock(), await_ack=self.v2)
                 if out.final and out.job is not None and out.job.timing.sent is None:  # logged once
-                    self._finished(out.job, "succeeded" if out.kind == "job_result" else "failed")
+                    self._finished(out.job, FINAL_OUTCOMES[out.kind])
 
     async def _heartbeat(self, period: float) -> None:
         """A heartbeat every period; with a v2 API, also every final message still not

@@ -1,12 +1,13 @@
-"""Held jobs, the one denoising thread that runs them in arrival order (frames of live sessions
-before the next job and between steps), and the encoder thread behind it; an out-of-memory error
-moves the model down the ladder and retries once (docs/design/memory-ladder.md)."""
+"""Held jobs, the one denoising thread that runs them (in the order of turns.py: arrival order across
+accounts, priority within one, a running job set aside at a step boundary for a higher one; frames
+of live sessions before the next job and between steps), and the encoder thread behind it. At step
+boundaries it also answers `preempt` and sends periodic checkpoints (steps.py); an out-of-memory
+error moves the model down the ladder and retries once (docs/design/memory-ladder.md)."""
 from __future__ import annotations
 
 import base64
 import io
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -15,9 +16,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from potocolom.protocol.rungs import MODE_AUTO
-from potocolom.protocol.worker import JobFailed, JobProgress, JobResult, JobStarted
+from potocolom.protocol.worker import JobFailed, JobProgress, JobResult, JobStarted, Resume
+from workers.gpu.checkpoints import Checkpoint, CheckpointRefused
 from workers.gpu.ladder import rung_after_oom
-from workers.gpu.pipelines import JobCancelled, OnStep, OutOfMemory, ShouldStop
+from workers.gpu.pipelines import JobCancelled, JobPreempted, OnCheckpoint, OnStep, OutOfMemory, ShouldStop
+from workers.gpu.steps import CheckpointTimer, Stopped, checkpoint_message, never_ran, preempted_message, resume_from
+from workers.gpu.timings import JobTiming, denoise_idle_gaps  # noqa: F401  (re-exported)
+from workers.gpu.turns import TurnBook
 
 if TYPE_CHECKING:
     from PIL.Image import Image
@@ -35,89 +40,42 @@ class Pipeline(Protocol):
 
     rung: str
 
-    def generate(self, params: Any, *, on_step: OnStep | None = None,
-                 should_stop: ShouldStop | None = None) -> list[Image]: ...
+    def generate(self, params: Any, *, on_step: OnStep | None = None, should_stop: ShouldStop | None = None,
+                 resume: Checkpoint | None = None, capture: ShouldStop | None = None,
+                 on_checkpoint: OnCheckpoint | None = None, preempt: ShouldStop | None = None) -> list[Image]: ...
 
     def move_to(self, rung: str) -> None: ...
 
 
-@dataclass
-class JobTiming:
-    """Monotonic timestamps (seconds) of one job, for logs and benchmarks.
-
-    outcome: "held" until the job ends as "succeeded", "failed" or "cancelled".
-    """
-
-    job_id: str
-    model_id: str
-    received: float
-    denoise_start: float | None = None
-    denoise_end: float | None = None
-    encode_start: float | None = None
-    encode_end: float | None = None
-    sent: float | None = None
-    outcome: str = "held"
-    rung: str | None = None  # the rung the job's last pipeline call ran on
-    gpu_ms: float | None = None  # job_result.gpu_ms: the successful call's own time
-
-    def summary(self) -> str:
-        """One log line: where the job's time went, in milliseconds, and the rung it ran on."""
-        def ms(start: float | None, end: float | None) -> str:
-            return "-" if start is None or end is None else f"{(end - start) * 1000:.0f}"
-        gpu = "-" if self.gpu_ms is None else f"{self.gpu_ms:.0f}"
-        return (f"job {self.job_id} ({self.model_id}) {self.outcome} on rung {self.rung or '-'}, gpu {gpu} ms: "
-                f"waited "
-                f"{ms(self.received, self.denoise_start)} ms, denoised {ms(self.denoise_start, self.denoise_end)} ms, "
-                f"encoded {ms(self.encode_start, self.encode_end)} ms, sent "
-                f"{ms(self.encode_end, self.sent)} ms after encoding, {ms(self.received, self.sent)} ms in all")
-
-
-def denoise_idle_gaps(timings: Sequence[JobTiming]) -> list[float]:
-    """Seconds the denoising loop sat idle between back-to-back jobs.
-
-    For each job that was already held when the job before it finished denoising, the time from
-    that end to its own denoising start. Zero-ish gaps mean encoding and upload never held it up.
-    """
-    ran = sorted((t for t in timings if t.denoise_start is not None and t.denoise_end is not None),
-                 key=lambda t: t.denoise_start or 0.0)
-    return [after.denoise_start - before.denoise_end  # type: ignore[operator]
-            for before, after in zip(ran, ran[1:], strict=False)
-            if after.received <= before.denoise_end]  # type: ignore[operator]
-
-
 @dataclass(eq=False)
 class HeldJob:
-    """A job this worker holds, from its `job` message until it is released."""
+    """A job this worker holds, from its `job` message until it is released. `priority` and
+    `account` (v2; a v1 job has 0 and None) order it among the held jobs (turns.py); `resume` is
+    the job's stored checkpoint from the API. The fields below them belong to the denoising loop
+    and change under its lock."""
 
     job_id: str
     model_id: str
     params: Any
     timing: JobTiming
+    priority: int = 0
+    account: str | None = None
+    resume: Resume | None = None
     answer_cancel: bool = False  # the cancel came from a v2 API: it is owed job_failed "cancelled"
+    preempt_asked: bool = False  # the API said `preempt`: it is owed job_preempted
+    set_aside: Stopped | None = None  # where it stopped when a higher-priority job overtook it
+    started_sent: bool = False  # job_started went out (once, whatever the runs)
     _cancelled: threading.Event = field(default_factory=threading.Event)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-    _begun: bool = False
 
     @property
     def cancelled(self) -> bool:
         return self._cancelled.is_set()
 
-    def cancel(self, *, answer: bool = False) -> bool:
-        """Ask the job to stop. True when it had not begun: it never will, so whoever cancels lets
-        it go now; False: the denoising thread lets it go at its next step boundary."""
-        with self._lock:
-            self.answer_cancel = answer
-            self._cancelled.set()
-            self.timing.outcome = "cancelled"
-            return not self._begun
-
-    def begin(self) -> bool:
-        """On the denoising thread, before the job's first step: False when it was cancelled first."""
-        with self._lock:
-            if self._cancelled.is_set():
-                return False
-            self._begun = True
-            return True
+    def mark_cancelled(self, *, answer: bool) -> None:
+        """Ask the job to stop (DenoiseLoop.cancel decides who lets it go)."""
+        self.answer_cancel = answer
+        self._cancelled.set()
+        self.timing.outcome = "cancelled"
 
 
 def encode_png_b64(images: Sequence[Image]) -> list[str]:
@@ -136,7 +94,6 @@ def short_error(exc: BaseException) -> str:
     return text if len(text) <= ERROR_CHARS else text[:ERROR_CHARS] + "..."
 
 
-_WAKE = object()  # queued by wake(): frames are waiting
 Post = Callable[[dict[str, Any], "HeldJob | None"], None]
 Release = Callable[[HeldJob], None]  # a job stopped without a result (cancelled, or the worker stopping)
 Encode = Callable[[Sequence["Image"]], list[str]]
@@ -144,11 +101,18 @@ Demote = Callable[[str, str], None]  # (model_id, rung): move the model down, on
 
 
 class DenoiseLoop:
-    """The single denoising thread and the encoder it hands results to."""
+    """The single denoising thread and the encoder it hands results to.
+
+    The held jobs wait in a TurnBook under one lock, with the running one (`_running`) still in it
+    until its run ends; the event loop's cancel and preempt take a job out there when it is not
+    running, or flag it for the denoising thread to let go at its next step boundary.
+    `checkpoint_seconds` says, at each run's start, how often to send its checkpoint (0: never).
+    """
 
     def __init__(self, pipelines: Mapping[str, Pipeline], post: Post, release: Release, *,
                  encode: Encode = encode_png_b64, clock: Callable[[], float] = time.monotonic,
-                 frames: FrameRunner | None = None, memory_mode: str = MODE_AUTO, demote: Demote | None = None):
+                 frames: FrameRunner | None = None, memory_mode: str = MODE_AUTO, demote: Demote | None = None,
+                 checkpoint_seconds: Callable[[], float] = lambda: 0.0):
         self._pipelines = pipelines
         self._memory_mode = memory_mode
         self._demote = demote
@@ -157,8 +121,13 @@ class DenoiseLoop:
         self._encode = encode
         self._clock = clock
         self._frames = frames
-        # A job, _WAKE (frames are waiting), or None (stop).
-        self._jobs: queue.Queue[HeldJob | object | None] = queue.Queue()
+        self._checkpoint_seconds = checkpoint_seconds
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # a job held, frames waiting, or stop
+        self._book = TurnBook()
+        self._jobs: dict[str, HeldJob] = {}  # the book's jobs
+        self._running: HeldJob | None = None
+        self._frames_waiting = False
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="denoise", daemon=True)
         # One encoder thread: results leave in the order their jobs were denoised.
@@ -168,17 +137,53 @@ class DenoiseLoop:
         self._thread.start()
 
     def submit(self, job: HeldJob) -> None:
-        """Queue a held job behind the ones already held."""
-        self._jobs.put(job)
+        """Hold a job: it runs in its turn (turns.py); one that overtakes the running job takes
+        over at that job's next step boundary."""
+        with self._changed:
+            if job.job_id in self._book:  # an ended run of that id, its answer crossing this new order
+                self._book.remove(job.job_id)
+            self._book.add(job.job_id, account=job.account, priority=job.priority)
+            self._jobs[job.job_id] = job
+            self._changed.notify()
 
     def wake(self) -> None:
         """Frames are waiting: run them now if the thread is idle, else at the next step or job."""
-        self._jobs.put(_WAKE)
+        with self._changed:
+            self._frames_waiting = True
+            self._changed.notify()
+
+    def cancel(self, job: HeldJob, *, answer: bool = False) -> bool:
+        """Cancel a held job. True when it was not running (waiting, or set aside): it never runs
+        again, so whoever cancels lets it go now; False: the denoising thread lets it go at its next
+        step boundary (or it has ended, and its final message is on its way)."""
+        with self._lock:
+            job.mark_cancelled(answer=answer)
+            return self._withdraw(job)
+
+    def preempt(self, job: HeldJob) -> Stopped | None:
+        """The API's `preempt`. A job that is not running is taken out at once: where it stands
+        (step 0 and no checkpoint when it never ran, where it was set aside else) is the answer
+        for its job_preempted. None: the denoising thread answers at the running job's next step
+        boundary (or the job has ended, and its final message answers)."""
+        with self._lock:
+            job.preempt_asked = True
+            if not self._withdraw(job):
+                return None
+        return job.set_aside or never_ran(job.params)
+
+    def _withdraw(self, job: HeldJob) -> bool:
+        """Under the lock: take a job that is not running out of the book."""
+        if self._running is job or self._jobs.get(job.job_id) is not job:
+            return False
+        self._book.remove(job.job_id)
+        del self._jobs[job.job_id]
+        return True
 
     def stop(self, timeout: float = JOIN_SECONDS) -> None:
         """Interrupt the running job at its next step, drop the rest, and wait for the thread."""
         self._stopping.set()
-        self._jobs.put(None)
+        with self._changed:
+            self._changed.notify()
         self._encoder.shutdown(wait=False, cancel_futures=True)
         if self._frames is not None:
             self._frames.close()
@@ -199,27 +204,61 @@ class DenoiseLoop:
 
     def _run(self) -> None:
         while True:
-            job = self._jobs.get()
-            if job is None or self._stopping.is_set():
-                return
+            with self._changed:
+                self._changed.wait_for(lambda: self._stopping.is_set() or self._frames_waiting or len(self._book) > 0)
+                if self._stopping.is_set():
+                    return
+                self._frames_waiting = False
             self._run_frames()  # frames first: they are waited for by someone drawing
-            if not isinstance(job, HeldJob):
+            job = self._take_next()
+            if job is None:
                 continue
-            if not job.begin():  # cancelled while it waited: whoever cancelled it let it go
-                continue
+            kept = False
             try:
-                self._denoise(job)
+                kept = self._denoise(job)
             except Exception:  # never let one job end the loop
                 log.exception("job %s: unexpected error in the denoising loop", job.job_id)
+            finally:
+                self._run_over(job, kept=kept)
 
-    def _denoise(self, job: HeldJob) -> None:
+    def _take_next(self) -> HeldJob | None:
+        """The job whose turn it is, now running; None when none is held (all let go meanwhile)."""
+        with self._lock:
+            job_id = self._book.next()
+            if job_id is None or self._stopping.is_set():
+                return None
+            self._running = self._jobs[job_id]
+            return self._running
+
+    def _run_over(self, job: HeldJob, *, kept: bool) -> None:
+        """A run ended: the job leaves the book, unless it was set aside (`kept`) to run again."""
+        with self._lock:
+            self._running = None
+            if not kept and self._jobs.get(job.job_id) is job:
+                self._book.remove(job.job_id)
+                del self._jobs[job.job_id]
+
+    def _overtaken(self, job: HeldJob) -> bool:
+        """At a step boundary: the running job must step aside for another one's turn (a job of
+        its account with a higher priority)."""
+        with self._lock:
+            return self._book.next() != job.job_id
+
+    def _denoise(self, job: HeldJob) -> bool:
+        """One run of a job, from its first step (or where it stopped) until it ends or steps aside;
+        True when it was set aside, to run again in its turn."""
         pipeline = self._pipelines.get(job.model_id)
         if pipeline is None:
             self._fail(job, f"model {job.model_id!r} is not served by this worker")
-            return
+            return False
         timing = job.timing
-        timing.denoise_start = self._clock()  # before job_started: whoever sees that message sees this
-        self._post(JobStarted(job.job_id).to_wire(), job)
+        if timing.denoise_start is None:
+            timing.denoise_start = self._clock()  # before job_started: whoever sees that message sees this
+        resume = resume_from(job.set_aside, job.resume, job_id=job.job_id)
+        job.set_aside = None
+        if not job.started_sent:
+            job.started_sent = True
+            self._post(JobStarted(job.job_id).to_wire(), job)
         frame_seconds = 0.0
 
         def on_step(step: int, steps: int) -> None:
@@ -227,32 +266,55 @@ class DenoiseLoop:
             self._post(JobProgress(job.job_id, step, steps).to_wire(), job)
             frame_seconds += self._run_frames(gather=False)  # between two steps: frames wait one step at most
 
+        timer = CheckpointTimer(self._checkpoint_seconds(), self._clock)
+
+        def on_checkpoint(checkpoint: Checkpoint | None) -> None:
+            message = checkpoint_message(job.job_id, checkpoint)
+            if message is None:
+                timer.give_up()  # none this run: it cannot be captured, or is over the wire's size
+            else:
+                self._post(message, job)
+
         retried_from: str | None = None  # the rung of the first attempt, once the job is retried
         while True:
             started, frames_before = self._clock(), frame_seconds
             timing.rung = pipeline.rung
             try:
                 images = pipeline.generate(job.params, on_step=on_step,
-                                           should_stop=lambda: job.cancelled or self._stopping.is_set())
+                                           should_stop=lambda: job.cancelled or self._stopping.is_set(),
+                                           resume=resume, capture=timer.due if timer.active else None,
+                                           on_checkpoint=on_checkpoint,
+                                           preempt=lambda: job.preempt_asked or self._overtaken(job))
                 break
             except JobCancelled:
                 timing.denoise_end = self._clock()
                 timing.outcome = "cancelled"
                 log.info("job %s cancelled while denoising", job.job_id)
                 self._release(job)
-                return
+                return False
+            except JobPreempted as stopped:
+                return self._stopped(job, Stopped(stopped.step, stopped.steps, stopped.checkpoint))
+            except CheckpointRefused as exc:  # the checkpoint is not for this job here: start afresh
+                if resume is None:  # not from a checkpoint at all: a failure like any other
+                    timing.denoise_end = self._clock()
+                    self._fail(job, short_error(exc))
+                    return False
+                log.warning("job %s: its checkpoint cannot resume it here (%s); it restarts from step 0", job.job_id,
+                            short_error(exc))
+                resume = None
+                continue
             except OutOfMemory as exc:
                 lower = self._rung_after_oom(job, pipeline.rung, retried_from, str(exc))
                 if lower is None:
-                    return
+                    return False
                 retried_from = pipeline.rung
             except Exception as exc:
                 timing.denoise_end = self._clock()
                 log.warning("job %s failed: %s", job.job_id, short_error(exc))
                 self._fail(job, short_error(exc))
-                return
+                return False
             if not self._move_down(job, lower):
-                return
+                return False
         timing.denoise_end = self._clock()
         # The job's own time on the rung it ended on: not the failed call, the reload or frames.
         gpu_ms = (timing.denoise_end - started - (frame_seconds - frames_before)) * 1000
@@ -261,6 +323,27 @@ class DenoiseLoop:
             self._encoder.submit(self._encode_result, job, images, gpu_ms, pipeline.rung)
         except RuntimeError:  # the encoder was shut down: the worker is stopping
             log.info("job %s dropped: the worker is stopping", job.job_id)
+        return False
+
+    def _stopped(self, job: HeldJob, where: Stopped) -> bool:
+        """The job left its run at a step boundary: set aside for another job's turn (True), or
+        answered with job_preempted (the API asked), or let go (cancelled, or the worker stops)."""
+        with self._lock:
+            overtaken = not (job.preempt_asked or job.cancelled or self._stopping.is_set())
+            if overtaken:
+                job.set_aside = where  # the run's end leaves it in the book
+        if overtaken:
+            log.info("job %s set aside after step %d of %d for a job of higher priority", job.job_id, where.step,
+                     where.steps)
+            return True
+        job.timing.denoise_end = self._clock()
+        if job.preempt_asked and not job.cancelled and not self._stopping.is_set():
+            job.timing.outcome = "preempted"
+            log.info("job %s preempted after step %d of %d", job.job_id, where.step, where.steps)
+            self._post(preempted_message(job.job_id, where), job)
+        else:
+            self._release(job)
+        return False
 
     def _rung_after_oom(self, job: HeldJob, rung: str, retried_from: str | None, detail: str) -> str | None:
         """Where the model goes after an out-of-memory error in this job; None: the job failed."""

@@ -1,5 +1,5 @@
 """What the worker has to say, waiting to leave in order, and its final messages (job_result,
-job_failed) kept until the API acknowledges them (v2) or, for a v1 API, until sent: plain data,
+job_failed, job_preempted) kept until the API acknowledges them (v2) or, for a v1 API, until sent: plain data,
 bounded, used on the event loop only. Why and how: docs/protocol.md (worker socket, v2)."""
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from workers.gpu.jobs import HeldJob
 
 log = logging.getLogger(__name__)
 
-FINAL_TYPES = frozenset({"job_result", "job_failed"})
+FINAL_TYPES = frozenset({"job_result", "job_failed", "job_preempted"})
 # Kept across a reconnect; progress, heartbeats and anything about sessions (the API sends those
 # back to its queue when the connection drops) are stale on the next one, so dropped.
-KEPT_WHILE_DOWN = frozenset({"job_started", "job_result", "job_failed"})
+KEPT_WHILE_DOWN = frozenset({"job_started", *FINAL_TYPES})
 MAX_UNACKED_FINALS = 64  # final messages kept for the API's job_ack; beyond it the oldest is dropped
 MAX_UNACKED_BYTES = 256 * 2**20  # and at most this many bytes of them (a result is at most 16 MiB)
 

@@ -2,10 +2,10 @@
 
 A `websockets` server on 127.0.0.1 that keeps its port across stop() and start() (an API restart),
 answers every hello with a welcome, and files every message of every connection in arrival order.
-With `protocol=2` it speaks v2: its welcome says so and (with `auto_ack`) it answers every job_result
-and job_failed with job_ack. With `token` it checks the handshake's `Authorization: Token T`
-header and closes with 4001 on anything else. Waiting is event-driven: `next_message` wakes on each
-message filed, it never polls or sleeps.
+With `protocol=2` it speaks v2: its welcome says so (and `checkpoint_seconds`, when given) and (with
+`auto_ack`) it answers every job_result, job_failed and job_preempted with job_ack. With `token` it
+checks the handshake's `Authorization: Token T` header and closes with 4001 on anything else.
+Waiting is event-driven: `next_message` wakes on each message filed, it never polls or sleeps.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from websockets.exceptions import ConnectionClosed
 
 WAIT_SECONDS = 30.0
 WELCOME_SENT = "_welcome_sent"  # a marker filed among the messages when a welcome goes out
-FINAL_TYPES = ("job_result", "job_failed")
+FINAL_TYPES = ("job_result", "job_failed", "job_preempted")
 BARRIER_MODEL = "barrier-model-served-nowhere"
 
 
@@ -28,13 +28,14 @@ class FakeApi:
 
     def __init__(self, *, heartbeat_seconds: float = 10.0, refuse_token: bool = False,
                  unknown_models: list[str] | None = None, protocol: int | None = None, auto_ack: bool = True,
-                 token: str | None = None):
+                 token: str | None = None, checkpoint_seconds: float | None = None):
         self.heartbeat_seconds = heartbeat_seconds
         self.refuse_token = refuse_token
         self.unknown_models = unknown_models or []
         self.protocol = protocol  # None: a v1 API (its welcome has no protocol)
         self.auto_ack = auto_ack  # v2: answer each final message with job_ack
         self.token = token
+        self.checkpoint_seconds = checkpoint_seconds  # welcome.checkpoint_seconds, when not None
         self.port = 0
         self.paths: list[str] = []
         self.authorizations: list[str | None] = []  # each handshake's Authorization header
@@ -98,6 +99,8 @@ class FakeApi:
                                "heartbeat_seconds": self.heartbeat_seconds, "frame_budget_ms": 500}
                     if self.protocol is not None:
                         welcome["protocol"] = self.protocol
+                    if self.checkpoint_seconds is not None:
+                        welcome["checkpoint_seconds"] = self.checkpoint_seconds
                     await connection.send(json.dumps(welcome))
                     await self._file({"type": WELCOME_SENT, "_connection": number})
                 elif message.get("type") in FINAL_TYPES and self.protocol == 2 and self.auto_ack:
@@ -114,9 +117,11 @@ class FakeApi:
         assert self._connections, "no worker socket is open"
         await self._connections[-1].send(message if isinstance(message, str) else json.dumps(message))
 
-    async def job(self, params: dict[str, Any], model_id: str = "tiny-sd", job_id: str | None = None) -> str:
+    async def job(self, params: dict[str, Any], model_id: str = "tiny-sd", job_id: str | None = None,
+                  **v2: Any) -> str:
+        """Send a job (`v2`: priority, account, resume, as a v2 API adds them); its id."""
         job_id = job_id or str(uuid.uuid4())
-        await self.send({"type": "job", "job_id": job_id, "attempt": 1, "model_id": model_id, "params": params})
+        await self.send({"type": "job", "job_id": job_id, "attempt": 1, "model_id": model_id, "params": params, **v2})
         return job_id
 
     async def next_message(self, type: str, timeout: float = WAIT_SECONDS, **fields: Any) -> dict[str, Any]:

@@ -28,14 +28,16 @@ class GatedPipeline:
         self.rung = inner.rung
         self.gate = threading.Event()
 
-    def generate(self, params: Any, *, on_step: Any = None, should_stop: Any = None) -> Any:
+    def generate(self, params: Any, *, on_step: Any = None, should_stop: Any = None, **boundaries: Any) -> Any:
+        """The real call (with the step-boundary arguments as given), parked after each step report
+        until the gate opens."""
         def step(index: int, steps: int) -> None:
             if on_step is not None:
                 on_step(index, steps)
             if not self.gate.wait(TEST_SECONDS):
                 raise TimeoutError("the test never opened the gate")
 
-        return self.inner.generate(params, on_step=step, should_stop=should_stop)
+        return self.inner.generate(params, on_step=step, should_stop=should_stop, **boundaries)
 
     def __getattr__(self, name: str) -> Any:
         """Everything else (check_inputs, generate_frames for realtime frames) is the real pipeline's."""
