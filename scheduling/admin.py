@@ -2,6 +2,7 @@
 and actions to cancel, pause, resume and requeue."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from django.contrib import admin, messages
@@ -70,36 +71,27 @@ class JobAdmin(admin.ModelAdmin):
 
     @admin.action(description="Cancel the selected jobs")
     def cancel_jobs(self, request: HttpRequest, queryset: QuerySet[Job]) -> None:
-        done = 0
-        for job in queryset:
-            try:
-                services.job_cancel(job=job, now=timezone.now())
-                done += 1
-            except JobAlreadyEnded:
-                pass
-        self.message_user(request, f"cancelled {done} job(s)", messages.SUCCESS)
+        self._each(request, queryset, services.job_cancel, "cancelled", skip=(JobAlreadyEnded,))
 
     @admin.action(description="Pause the selected jobs (held ones once their worker stops them)")
     def pause_jobs(self, request: HttpRequest, queryset: QuerySet[Job]) -> None:
-        done = 0
-        for job in queryset:
-            try:
-                services.job_pause(job=job, now=timezone.now())
-                done += 1
-            except JobAlreadyEnded:
-                pass
-        self.message_user(request, f"paused {done} job(s)", messages.SUCCESS)
+        self._each(request, queryset, services.job_pause, "paused", skip=(JobAlreadyEnded,))
 
     @admin.action(description="Resume the selected paused jobs")
     def resume_jobs(self, request: HttpRequest, queryset: QuerySet[Job]) -> None:
+        self._each(request, queryset, services.job_resume, "resumed", skip=(JobAlreadyEnded, JobNotPaused))
+
+    def _each(self, request: HttpRequest, queryset: QuerySet[Job], service: Callable[..., Job], done_as: str, *,
+              skip: tuple[type[Exception], ...]) -> None:
+        """Run a job service on each selected job; those it refuses with one of `skip` are passed over."""
         done = 0
         for job in queryset:
             try:
-                services.job_resume(job=job, now=timezone.now())
+                service(job=job, now=timezone.now())
                 done += 1
-            except (JobAlreadyEnded, JobNotPaused):
+            except skip:
                 pass
-        self.message_user(request, f"resumed {done} job(s)", messages.SUCCESS)
+        self.message_user(request, f"{done_as} {done} job(s)", messages.SUCCESS)
 
     @admin.action(description="Requeue the selected jobs (failed, cancelled or stuck)")
     def requeue_jobs(self, request: HttpRequest, queryset: QuerySet[Job]) -> None:
