@@ -36,6 +36,7 @@ class ConnectedWorker:
     protocol: int = 1  # its hello's: a v2 worker answers `cancel` with job_failed
     # Of `held`, the jobs it was told to cancel (v2): they count until the worker lets them go.
     letting_go: set[str] = field(default_factory=set)
+    draining: bool = False  # it said `draining` on this connection: it gets no new job
 
 
 @dataclass(frozen=True)
@@ -132,6 +133,16 @@ class Dispatcher:
             del self.workers[worker_id]
             return worker.held
 
+    def drain(self, *, worker_id: str, channel_name: str) -> bool:
+        """The worker said `draining` on this connection: no new job goes to it (it gives back what
+        it holds as job_preempted). False when that connection is no longer the worker's."""
+        with self.lock:
+            worker = self.workers.get(worker_id)
+            if worker is None or worker.channel_name != channel_name:
+                return False
+            worker.draining = True
+            return True
+
     def expired_orphans(self, *, now: datetime) -> dict[str, set[str]]:
         """Take the held jobs of workers that did not come back in time."""
         with self.lock:
@@ -224,7 +235,7 @@ class Dispatcher:
             done: list[Assignment] = []
             while True:
                 capacities = [WorkerCapacity(w.worker_id, w.models, len(w.held), w.joined)
-                              for w in self.workers.values()]
+                              for w in self.workers.values() if not w.draining]
                 start = None if at_us is None else max(at_us, self._turn_clock_us + 1)
                 planned = plan_dispatch(self.queues, capacities, depth=self.depth, at_us=start)
                 if start is not None:

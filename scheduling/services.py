@@ -552,6 +552,12 @@ def worker_jobs_connect(*, worker_id: str, channel_name: str, models: list[str],
     return joined.replaced
 
 
+def worker_jobs_drain(*, worker_id: str, channel_name: str) -> bool:
+    """A worker said `draining`: it is sent no new job from now on (its held jobs come back as
+    job_preempted, which puts them back in the queue at their old places)."""
+    return dispatcher().drain(worker_id=worker_id, channel_name=channel_name)
+
+
 def worker_jobs_disconnect(*, worker_id: str, channel_name: str, now: datetime) -> bool:
     """A worker's socket closed or fell silent: it is dead, and its jobs follow the retry rule.
     False when a newer connection of the same worker had already taken over."""

@@ -21,6 +21,7 @@ from potocolom.protocol.worker import (
     PROTOCOL_V1,
     PROTOCOL_V2,
     Cancel,
+    Draining,
     FrameResult,
     Heartbeat,
     Hello,
@@ -33,6 +34,7 @@ from potocolom.protocol.worker import (
     JobStarted,
     RungChanged,
     SessionAccepted,
+    SessionEnded,
     SessionRefused,
     Welcome,
     WorkerMessage,
@@ -197,6 +199,13 @@ class WorkerConsumer(RelayConsumer):
         elif isinstance(message, SessionRefused):
             sessions.session_refuse(worker_id=worker_id, session_id=message.session_id, reason=message.reason,
                                     now=now)
+        elif isinstance(message, Draining):
+            log.info("worker %s is draining: no new job or session goes to it", worker_id)
+            lifecycle.worker_draining(worker_id=worker_id, channel_name=self.channel_name, now=now)
+        elif isinstance(message, SessionEnded):
+            # Only a draining worker ends sessions itself, after `draining`, which already sent
+            # its sessions back to the queue: nothing is left to do.
+            log.info("worker %s ended session %s", worker_id, message.session_id)
         elif isinstance(message, RungChanged):
             lifecycle.worker_rung_changed(worker_id=worker_id, entry=message.entry, channel_name=self.channel_name,
                                           now=now)

@@ -60,6 +60,17 @@ def worker_lost(*, worker_id: str, channel_name: str, now: datetime) -> None:
                                     now=now)
 
 
+def worker_draining(*, worker_id: str, channel_name: str, now: datetime) -> None:
+    """The worker said `draining` (it is shutting down): dispatch skips it, its row says so (the
+    shared admission gives it no slot), and each of its models has no realtime slot here any more,
+    so its live sessions go back to the queue at their old places and are placed again elsewhere.
+    Its held jobs come back as job_preempted (queued again at their old places)."""
+    jobs.worker_jobs_drain(worker_id=worker_id, channel_name=channel_name)
+    for entry in services.worker_draining_set(worker_id=worker_id, channel_name=channel_name):
+        closed = ModelEntry(entry.model_id, entry.rung)  # no realtime: no slot, sessions sent back
+        sessions.worker_rung_changed(worker_id=worker_id, entry=closed, channel_name=channel_name, now=now)
+
+
 def worker_rung_changed(*, worker_id: str, entry: ModelEntry, channel_name: str, now: datetime) -> None:
     """After an out-of-memory demotion: the row shows the new rung, and sessions that lost their
     slot go back to the queue."""

@@ -41,6 +41,9 @@ class Worker(models.Model):
     # The worker socket's channel (several API processes: admission on one process sends
     # session_start to a worker connected to another); empty once that connection closed.
     channel_name = models.CharField(max_length=200, blank=True, default="")
+    # It said `draining` on its current connection (SIGTERM): no new job and no realtime slot, in
+    # every API process's admission; a hello (a new connection) clears it.
+    draining = models.BooleanField(default=False)
 
     class Meta:
         ordering = ["worker_id"]

@@ -61,14 +61,16 @@ class WorkerSocket:
     worker_id: str
     channel_name: str
     models: list[dict[str, Any]]
+    draining: bool = False  # it said `draining`: it gets no new session
 
 
 def connected_workers(*, seconds: float, now: datetime) -> list[WorkerSocket]:
     """The workers connected to any API process and seen within `seconds`."""
     cutoff = silence_cutoff(seconds=seconds, now=now)
     rows = Worker.objects.filter(connected=True, last_seen__gte=cutoff).exclude(channel_name="").values_list(
-        "worker_id", "channel_name", "served_models")
-    return [WorkerSocket(worker_id, channel, list(served or ())) for worker_id, channel, served in rows]
+        "worker_id", "channel_name", "served_models", "draining")
+    return [WorkerSocket(worker_id, channel, list(served or ()), draining)
+            for worker_id, channel, served, draining in rows]
 
 
 def channel_of(worker_id: str | None) -> str | None:

@@ -67,7 +67,8 @@ def worker_hello(*, worker_id: str, token: WorkerToken, gpu: Any, models: tuple[
     served = [m for m in models if m.model_id in registered]
     unknown = [m.model_id for m in models if m.model_id not in registered]
     fields = {"token": token, "connected": True, "gpu": gpu, "served_models": [m.to_wire() for m in served],
-              "unknown_models": unknown, "connected_at": now, "last_seen": now, "channel_name": channel_name}
+              "unknown_models": unknown, "connected_at": now, "last_seen": now, "channel_name": channel_name,
+              "draining": False}
     with transaction.atomic():
         # Locked (or created: a second token racing to create it finds it here, bound) before the check.
         worker, created = Worker.objects.select_for_update().get_or_create(worker_id=worker_id, defaults=fields)
@@ -103,6 +104,19 @@ def worker_channel_clear(*, worker_id: str, channel_name: str) -> bool:
     """The socket at `channel_name` closed: forget it, unless a newer connection (on any API
     process) took over; True when it was still the worker's."""
     return Worker.objects.filter(worker_id=worker_id, channel_name=channel_name).update(channel_name="") == 1
+
+
+def worker_draining_set(*, worker_id: str, channel_name: str) -> list[ModelEntry]:
+    """The worker said `draining` on the socket at `channel_name`: its row says so (the shared
+    admission reads no slots of it then); the model entries it serves, or none when that socket is
+    no longer the worker's."""
+    with transaction.atomic():
+        worker = Worker.objects.select_for_update().filter(worker_id=worker_id, channel_name=channel_name).first()
+        if worker is None:
+            return []
+        worker.draining = True
+        worker.save(update_fields=["draining"])
+        return [ModelEntry.parse(entry) for entry in worker.served_models]
 
 
 def worker_rung_set(*, worker_id: str, entry: ModelEntry) -> None:

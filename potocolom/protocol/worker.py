@@ -246,8 +246,26 @@ class Heartbeat(Message):
     type = "heartbeat"
 
 
+@dataclass(frozen=True)
+class Draining(Message):
+    """v2: the worker is shutting down (SIGTERM): the API sends it no new job and no session; its
+    held jobs come back as job_preempted and its sessions as session_ended."""
+
+    type = "draining"
+
+
+@dataclass(frozen=True)
+class SessionEnded(Message):
+    """v2: the worker ended a live session itself (a drain): the API sends it back to its queue at
+    its old place."""
+
+    type = "session_ended"
+    session_id: str
+
+
 WorkerMessage = (Hello | JobStarted | JobProgress | JobResult | JobFailed | JobPreempted | JobCheckpoint
-                 | RungChanged | SessionAccepted | SessionRefused | FrameResult | Heartbeat)
+                 | RungChanged | SessionAccepted | SessionRefused | FrameResult | Heartbeat | Draining
+                 | SessionEnded)
 
 
 def _hello(message: dict[str, Any]) -> Hello:
@@ -336,6 +354,8 @@ _WORKER_PARSERS: dict[str, Callable[[dict[str, Any]], WorkerMessage]] = {
     "session_refused": _session_refused,
     "frame_result": _frame_result,
     "heartbeat": lambda m: Heartbeat(),
+    "draining": lambda m: Draining(),
+    "session_ended": lambda m: SessionEnded(_uuid(m, "session_id")),
 }
 
 

@@ -60,6 +60,8 @@ def capacities(now: datetime) -> tuple[dict[SlotKey, int], dict[str, str]]:
     channels: dict[str, str] = {}
     for worker in worker_rows.connected_workers(seconds=worker_window_seconds(), now=now):
         channels[worker.worker_id] = worker.channel_name
+        if worker.draining:
+            continue  # a draining worker gives no slot: its sessions went back to the queue
         for entry in worker.models:
             capacity[(worker.worker_id, entry["model_id"])] = policy.model_slots(
                 realtime=bool(entry.get("realtime")), frame_ms_p95=entry.get("frame_ms_p95"),

@@ -21,6 +21,7 @@ from potocolom.protocol.rungs import MODE_AUTO
 from potocolom.protocol.worker import (
     PROTOCOL_V2,
     Cancel,
+    Draining,
     FrameOrder,
     Heartbeat,
     Hello,
@@ -30,6 +31,7 @@ from potocolom.protocol.worker import (
     Preempt,
     RungChanged,
     SessionEnd,
+    SessionEnded,
     SessionStart,
     Welcome,
     parse_api_message,
@@ -51,6 +53,10 @@ DEFAULT_HEARTBEAT_SECONDS = 10.0
 OPEN_TIMEOUT_SECONDS = 10.0
 KEPT_TIMINGS = 1000  # WorkerClient.timings keeps the latest jobs only: a worker runs for days
 CANCELLED = "cancelled"  # job_failed.error of a job let go on a v2 API's cancel
+DEFAULT_DRAIN_SECONDS = 30.0  # --drain-seconds
+EXIT_DRAINED = 0  # run() ended: stopped, or drained with every final message acknowledged
+EXIT_DRAIN_TIMED_OUT = 1  # the drain's deadline passed with messages unacknowledged or jobs held
+EXIT_STOPPED_AT_ONCE = 2  # a second SIGTERM during a drain
 FINAL_OUTCOMES = {"job_result": "succeeded", "job_failed": "failed", "job_preempted": "preempted"}
 
 
@@ -70,7 +76,8 @@ class WorkerClient:
                  encode: Encode = encode_png_b64, clock: Callable[[], float] = time.monotonic,
                  realtime: Mapping[str, RealtimeCapacity] | None = None, memory_mode: str = MODE_AUTO,
                  gpu_info: Callable[[], dict[str, Any] | None] | None = None, limits: Limits | None = None,
-                 outbox: Outbox | None = None, keep_timings: int = KEPT_TIMINGS):
+                 outbox: Outbox | None = None, keep_timings: int = KEPT_TIMINGS,
+                 drain_seconds: float = DEFAULT_DRAIN_SECONDS):
         self.config = config
         self._gpu_info = gpu_info
         self.url = worker_socket_url(config.api_url)
@@ -98,6 +105,12 @@ class WorkerClient:
         self._outbox_ready: asyncio.Event | None = None
         self._stopped: asyncio.Event | None = None
         self._stop_requested = False
+        self.drain_seconds = drain_seconds
+        self.exit_status = EXIT_DRAINED  # what the program exits with once run() returns
+        self._draining = False  # terminate() was called: say draining, give everything back, stop
+        self._drain_changed: asyncio.Event | None = None  # something a drain waits on moved
+        self._drain_task: asyncio.Task[None] | None = None
+        self._drain_said_on: ClientConnection | None = None  # the connection that heard our `draining`
         self._ws: ClientConnection | None = None
         self._welcomed_ws: ClientConnection | None = None  # the connection that got its welcome
         self._closing: asyncio.Task[None] | None = None
@@ -134,6 +147,7 @@ class WorkerClient:
         self._loop = asyncio.get_running_loop()
         self._outbox_ready = asyncio.Event()
         self._stopped = asyncio.Event()
+        self._drain_changed = asyncio.Event()
         if self._stop_requested:
             return
         self._denoiser.start()
@@ -158,9 +172,97 @@ class WorkerClient:
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._begin_stop)
 
+    def terminate(self) -> None:
+        """SIGTERM (signal handlers call this): the first drains (see _drain), within
+        `drain_seconds`; a second one during the drain stops at once (exit status 2)."""
+        if self._loop is None or self._loop.is_closed():
+            self.stop()
+            return
+        self._loop.call_soon_threadsafe(self._terminate)
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def _terminate(self) -> None:
+        if self._stopped is None or self._stopped.is_set():
+            self.stop()  # stopping already (the drain ended, or it was never started): nothing to cut short
+            return
+        if self._draining:
+            log.warning("second SIGTERM: stopping at once; the API sends back what is still held here")
+            self.exit_status = EXIT_STOPPED_AT_ONCE
+            self.stop()
+            return
+        self._draining = True
+        log.info("SIGTERM: draining (at most %.0f s): giving back %d job(s) and %d session(s)", self.drain_seconds,
+                 len(self._held), len(self.sessions.table.session_ids()))
+        self._drain_task = asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> None:
+        """Say `draining`, give back every held job (job_preempted, as if the API had asked: at the
+        running job's next step boundary with its checkpoint, step 0 and null for a waiting one)
+        and end every live session (session_ended), then stop once the API has acknowledged every
+        final message. A reconnect meanwhile says it all again. Past `drain_seconds`, stop anyway
+        (exit status 1): the API then sends back what it still counts here, as for a dead worker."""
+        assert self._drain_changed is not None
+        deadline = self._clock() + self.drain_seconds
+        self._drain_turn()
+        while not self._drained() and not (self._stopped is not None and self._stopped.is_set()):
+            left = deadline - self._clock()
+            if left <= 0:
+                break
+            self._drain_changed.clear()
+            try:
+                await asyncio.wait_for(self._drain_changed.wait(), left)
+            except TimeoutError:
+                break
+        if self._stopped is not None and self._stopped.is_set():
+            return  # stopped meanwhile (a second SIGTERM, SIGINT, a v1 API): with the status they set
+        if self._drained():
+            log.info("drained: every job given back and acknowledged; exiting")
+        else:
+            self.exit_status = EXIT_DRAIN_TIMED_OUT
+            log.warning("drain deadline of %.0f s passed: %d job(s) still held, %d answer(s) not acknowledged",
+                        self.drain_seconds, len(self._held), len(self._outbox.final_ids))
+        self.stop()
+
+    def _drained(self) -> bool:
+        """Nothing held, nothing waiting to be sent or acknowledged: the API has everything back."""
+        return not self._held and not self._outbox.final_ids and len(self._outbox) == 0
+
+    def _drain_turn(self) -> None:
+        """On a live connection (and each new one during the drain): `draining` first, then every
+        held job given back and every session ended. Without a v2 API nothing can be given back:
+        the drain stops at once, and the API sends the jobs back as for a dead worker."""
+        if not self._live() or self._drain_said_on is self._ws:
+            return
+        self._drain_said_on = self._ws
+        if not self.v2:
+            log.warning("the API speaks protocol 1, which has no drain: stopping now")
+            self.stop()
+            return
+        message = Draining()
+        self._enqueue(Outgoing(message.type, json.dumps(message.to_wire()), None))
+        for job in list(self._held.values()):
+            if not job.preempt_asked:
+                self._preempt_held(job)
+        for session_id in self.sessions.table.session_ids():
+            self.sessions.end(session_id)
+            ended = SessionEnded(session_id)
+            self._enqueue(Outgoing(ended.type, json.dumps(ended.to_wire()), None))
+        self._drain_moved()
+
+    def _drain_moved(self) -> None:
+        if self._drain_changed is not None:
+            self._drain_changed.set()
+
+    def _live(self) -> bool:
+        return self._ws is not None and self._welcomed_ws is self._ws
+
     def _begin_stop(self) -> None:
         assert self._stopped is not None
         self._stopped.set()
+        self._drain_moved()
         if self._ws is not None:
             self._closing = asyncio.ensure_future(self._ws.close())
 
@@ -245,6 +347,8 @@ class WorkerClient:
         self._tasks.append(asyncio.create_task(self._send_outbox(self._ws), name="outbox"))
         self._tasks.append(asyncio.create_task(self._heartbeat(float(period)), name="heartbeat"))
         self._outbox_ready.set()
+        if self._draining:
+            self._drain_turn()  # a new connection hears it all again
 
     def _on_job(self, message: JobOrder) -> None:
         job_id, model_id = message.job_id, message.model_id
@@ -259,6 +363,8 @@ class WorkerClient:
         self._denoiser.submit(job)
         log.info("job %s (%s, attempt %s, priority %d%s) received; holding %d", job_id, model_id, message.attempt,
                  job.priority, f", from step {job.resume.step}" if job.resume else "", len(self._held))
+        if self._draining and self.v2:  # sent before the API read our `draining`: given back at once
+            self._preempt_held(job)
 
     def _on_cancel(self, message: Cancel) -> None:
         """Let the job go: a waiting one at once, the running one at its next step boundary (no
@@ -293,6 +399,12 @@ class WorkerClient:
         if job is None:
             log.info("preempt for job %s, which this worker does not hold", job_id)
             return
+        self._preempt_held(job)
+
+    def _preempt_held(self, job: HeldJob) -> None:
+        """Give a held job back (the API's preempt, or a drain): job_preempted now for one that is
+        not running, at its next step boundary for the running one."""
+        job_id = job.job_id
         where = self._denoiser.preempt(job)
         if where is None:
             log.info("job %s preempted: it stops at its next step boundary", job_id)
@@ -304,6 +416,7 @@ class WorkerClient:
 
     def _on_job_ack(self, message: JobAck) -> None:
         out = self._outbox.ack(message.job_id)
+        self._drain_moved()
         if out is None:
             log.debug("job_ack for job %s, which has no final message waiting", message.job_id)
 
@@ -400,10 +513,12 @@ class WorkerClient:
             while (out := self._outbox.peek()) is not None:
                 if not self._outbox.wanted(out) or (not out.final and out.job is not None and out.job.cancelled):
                     self._outbox.popleft()  # acknowledged, dropped, or about a cancelled job
+                    self._drain_moved()
                     continue
                 await ws.send(out.text)
                 self._outbox.popleft()
                 self._outbox.sent(out, now=self._clock(), await_ack=self.v2)
+                self._drain_moved()
                 if out.final and out.job is not None and out.job.timing.sent is None:  # logged once
                     self._finished(out.job, FINAL_OUTCOMES[out.kind])
 
@@ -429,6 +544,7 @@ class WorkerClient:
         """The job is done with: a new job with its id would be a new job. True if it was held."""
         if self._held.get(job.job_id) is job:
             del self._held[job.job_id]
+            self._drain_moved()
             return True
         return False
 

@@ -45,6 +45,7 @@ class WorkerOptions:
     realtime: bool = True  # False (--no-realtime): measure nothing, serve no sessions
     max_batch: int | None = None  # --max-batch: at most this many frames per pipeline call (1: batching off)
     limits: Limits | None = None  # MAX_IMAGE_PIXELS, MAX_IMAGE_SIDE, MAX_STEPS (None: from the environment)
+    drain_seconds: float = 30.0  # --drain-seconds: SIGTERM gives everything back and exits within this
 
 
 def default_device() -> str:
@@ -123,7 +124,7 @@ def build_client(options: WorkerOptions) -> Any:
     try:
         config = WorkerConfig(api_url=options.api, token=options.token, worker_id=worker_id, gpu=current_gpu())
         client = WorkerClient(config, pipelines, realtime=realtime, memory_mode=options.memory_mode,
-                              gpu_info=current_gpu, limits=limits)
+                              gpu_info=current_gpu, limits=limits, drain_seconds=options.drain_seconds)
     except ValueError as exc:
         raise WorkerStartError(str(exc)) from exc
     client.frames.cap_batches(options.max_batch)
@@ -135,19 +136,23 @@ def build_client(options: WorkerOptions) -> Any:
     return client
 
 
-async def serve(client: Any) -> None:
-    """Run the client until SIGINT or SIGTERM (then stop at once and close the socket)."""
+async def serve(client: Any) -> int:
+    """Run the client until SIGINT (stop at once and close the socket) or SIGTERM (drain: give the
+    held jobs and sessions back, then stop; a second SIGTERM stops at once); the exit status
+    (client.exit_status: 0 stopped or drained, 1 the drain's deadline passed, 2 a second SIGTERM)."""
     loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, client.stop)
+    loop.add_signal_handler(signal.SIGINT, client.stop)
+    loop.add_signal_handler(signal.SIGTERM, client.terminate)
     try:
         await client.run()
     finally:
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(signum)
+    return int(client.exit_status)
 
 
-def run_worker(options: WorkerOptions) -> None:
-    """Start and serve; raises WorkerStartError, or connection.TokenRefused when the token is refused."""
+def run_worker(options: WorkerOptions) -> int:
+    """Start and serve; the exit status (see serve). Raises WorkerStartError, or
+    connection.TokenRefused when the token is refused."""
     client = build_client(options)
-    asyncio.run(serve(client))
+    return asyncio.run(serve(client))

@@ -51,6 +51,10 @@ class SessionTable:
     def add(self, session: LiveSession) -> None:
         self._live[session.session_id] = session
 
+    def session_ids(self) -> list[str]:
+        """The live sessions, in the order they started (a drain ends them all)."""
+        return list(self._live)
+
     def remove(self, session_id: str) -> LiveSession | None:
         return self._live.pop(session_id, None)
 

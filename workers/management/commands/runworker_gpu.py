@@ -34,6 +34,16 @@ def _positive_ms(text: str) -> float:
     return value
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected more than 0 s, got {text!r}")
+    return value
+
+
 class Command(BaseCommand):
     help = "Run a GPU worker that serves the models installed in --models-dir to the API at --api."
 
@@ -70,6 +80,10 @@ class Command(BaseCommand):
         parser.add_argument("--max-batch", type=_positive_int, default=None,
                             help="at most N realtime frames per pipeline call (default: the model's slots); "
                                  "1 turns batching off")
+        parser.add_argument("--drain-seconds", type=_positive_seconds, default=30.0,
+                            help="on SIGTERM: say draining, give back held jobs (with their checkpoints) and "
+                                 "sessions, and exit 0 within this many seconds (default 30); exit 1 if the "
+                                 "deadline passes first, 2 on a second SIGTERM")
 
     def handle(self, *args: Any, **options: Any) -> None:
         # Imported here: the worker program is not part of the API process.
@@ -93,8 +107,10 @@ class Command(BaseCommand):
             models=parse_model_ids(options["models"]), memory_mode=options["memory_mode"],
             device=options["device"], vram_mib=options["vram_mib"], worker_id=options["worker_id"],
             threads=options["threads"], frame_budget_ms=budget_ms, realtime=not options["no_realtime"],
-            max_batch=options["max_batch"])
+            max_batch=options["max_batch"], drain_seconds=options["drain_seconds"])
         try:
-            run_worker(worker_options)
+            status = run_worker(worker_options)
         except (WorkerStartError, TokenRefused) as exc:
             raise CommandError(str(exc)) from exc
+        if status:
+            raise SystemExit(status)
