@@ -27,6 +27,7 @@ class GatedPipeline:
         self.inner = inner
         self.rung = inner.rung
         self.gate = threading.Event()
+        self.parked = threading.Event()  # set once the denoising thread waits at the gate
 
     def generate(self, params: Any, *, on_step: Any = None, should_stop: Any = None, **boundaries: Any) -> Any:
         """The real call (with the step-boundary arguments as given), parked after each step report
@@ -34,6 +35,7 @@ class GatedPipeline:
         def step(index: int, steps: int) -> None:
             if on_step is not None:
                 on_step(index, steps)
+            self.parked.set()
             if not self.gate.wait(TEST_SECONDS):
                 raise TimeoutError("the test never opened the gate")
 

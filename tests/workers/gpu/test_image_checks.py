@@ -75,7 +75,7 @@ def test_a_bomb_frame_is_dropped_without_holding_up_other_sessions(gated_pipelin
                 await fake.next_message("hello")
                 for session_id in ("s-1", "s-2"):
                     assert (await fake.session_start(session_id))["type"] == "session_accepted"
-                job_id = await park_in_a_job(fake)  # the denoising thread is busy in a job's step
+                job_id = await park_in_a_job(fake, gated_pipeline)  # the denoising thread is busy in a job's step
                 await fake.frame("s-1", 1, BOMB)
                 await fake.frame("s-2", 1, RED)
                 await fake.barrier()

@@ -5,12 +5,13 @@ To know that frames are queued together, the denoising thread is parked inside a
 """
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 from typing import Any
 
 from tests.workers.gpu.fake_api import FakeApi
-from tests.workers.gpu.support import GatedPipeline, run_async
+from tests.workers.gpu.support import TEST_SECONDS, GatedPipeline, run_async
 from tests.workers.gpu.test_client import SMALL_JOB, make_client, running
 from workers.gpu.slots import RealtimeCapacity
 
@@ -36,10 +37,12 @@ def jpeg_size(b64: str) -> tuple[int, int]:
         return image.size
 
 
-async def park_in_a_job(fake: FakeApi) -> str:
-    """Start a two-step job and wait until the denoising thread is parked in its first step."""
+async def park_in_a_job(fake: FakeApi, pipeline: GatedPipeline) -> str:
+    """Start a two-step job and wait until the denoising thread is parked in its first step: past
+    the step's report and the frames run after it, so that frames sent now wait for the gate."""
     job_id = await fake.job(SMALL_JOB)
     await fake.next_message("job_progress", job_id=job_id, step=1)
+    assert await asyncio.to_thread(pipeline.parked.wait, TEST_SECONDS), "the job never reached the gate"
     return job_id
 
 
@@ -108,7 +111,7 @@ def test_it_batches_frames_of_two_sessions_and_runs_only_the_newest_of_each(
                 await fake.next_message("hello")
                 await fake.session_start("a")
                 await fake.session_start("b")
-                job_id = await park_in_a_job(fake)
+                job_id = await park_in_a_job(fake, gated_pipeline)
                 await fake.frame("a", 1, RED, prompt="old")
                 await fake.frame("b", 7, BLUE, prompt="a blue sea", strength=0.6)
                 await fake.frame("a", 2, RED, prompt="a red cat", strength=0.9)
@@ -138,7 +141,7 @@ def test_it_sends_no_frames_of_an_ended_session_and_skips_undecodable_ones(gated
                 await fake.next_message("hello")
                 for session_id in ("a", "b"):
                     await fake.session_start(session_id)
-                job_id = await park_in_a_job(fake)
+                job_id = await park_in_a_job(fake, gated_pipeline)
                 await fake.frame("a", 1, RED)
                 await fake.frame("b", 1, base64.b64encode(b"not an image").decode())
                 await fake.send({"type": "session_end", "session_id": "a"})
