@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,24 +25,21 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _positive_ms(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of milliseconds, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected more than 0 ms, got {text!r}")
-    return value
+def _positive(unit: str, symbol: str) -> Callable[[str], float]:
+    """An argparse type: a number of `unit` above 0."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number of {unit}, got {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"expected more than 0 {symbol}, got {text!r}")
+        return value
+    return parse
 
 
-def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected more than 0 s, got {text!r}")
-    return value
+_positive_ms = _positive("milliseconds", "ms")
+_positive_seconds = _positive("seconds", "s")
 
 
 class Command(BaseCommand):
