@@ -133,6 +133,7 @@ def jobs_dispatch(*, now: datetime) -> list[Assignment]:
     """Hand queued jobs to workers with room, claiming each in the database first; each gets the
     `job` its worker's protocol reads."""
     current = dispatcher()
+    orders: list[tuple[str, int, QueuedJob, Claimed]] = []
 
     def claim(assignment: Assignment) -> bool:
         job = assignment.job
@@ -141,11 +142,16 @@ def jobs_dispatch(*, now: datetime) -> list[Assignment]:
             return False
         worker = current.workers.get(assignment.worker_id)  # plan() holds the dispatcher's lock
         if worker is not None:
-            order = _job_order(job, claimed, protocol=worker.protocol)
-            to_socket_after_commit(worker.channel_name, order.to_wire())
+            orders.append((worker.channel_name, worker.protocol, job, claimed))
         return True
 
-    return current.plan(claim, at_us=to_microseconds(now))
+    try:
+        return current.plan(claim, at_us=to_microseconds(now))
+    finally:
+        # Built once plan() let go of the dispatcher's lock: a resume reads its checkpoint from the
+        # storage. Every job claimed is sent, even when the plan stopped half way.
+        for channel_name, protocol, job, claimed in orders:
+            to_socket_after_commit(channel_name, _job_order(job, claimed, protocol=protocol).to_wire())
 
 
 def jobs_dispatch_or_wake(*, queued: set[str], now: datetime) -> list[Assignment]:
