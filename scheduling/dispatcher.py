@@ -18,7 +18,17 @@ from django.db.models import Max
 from django.utils import timezone
 
 from scheduling.models import HELD_STATES, Job, JobState
-from scheduling.policy import Assignment, QueuedJob, Turn, WorkerCapacity, plan_dispatch
+from scheduling.policy import (
+    Assignment,
+    HeldJob,
+    Holding,
+    Preemption,
+    QueuedJob,
+    Turn,
+    WorkerCapacity,
+    plan_dispatch,
+    plan_preemptions,
+)
 from scheduling.queues import JobQueues
 from scheduling.queues.memory import MemoryQueues
 from scheduling.queues.redis import RecoveringQueues, RedisQueues, redis_client_from_url
@@ -37,6 +47,26 @@ class ConnectedWorker:
     # Of `held`, the jobs it was told to cancel (v2): they count until the worker lets them go.
     letting_go: set[str] = field(default_factory=set)
     draining: bool = False  # it said `draining` on this connection: it gets no new job
+    # What the priority preemption knows of its held jobs: their keys (those it was given here, or
+    # read back on its hello), which have begun, and which it was asked to give back (`preempt`).
+    keys: dict[str, QueuedJob] = field(default_factory=dict)
+    started: set[str] = field(default_factory=set)
+    preempting: set[str] = field(default_factory=set)
+
+    def forget(self, job_id: str) -> None:
+        """It no longer holds the job."""
+        self.held.discard(job_id)
+        self.letting_go.discard(job_id)
+        self.keys.pop(job_id, None)
+        self.started.discard(job_id)
+        self.preempting.discard(job_id)
+
+    def holding(self) -> Holding:
+        """What the priority preemption reads of it: a v2 worker's held jobs, less those leaving."""
+        leaving = self.letting_go | self.preempting
+        preemptible = tuple(HeldJob(key, job_id in self.started) for job_id, key in self.keys.items()
+                            if job_id in self.held and job_id not in leaving) if self.protocol >= 2 else ()
+        return Holding(self.worker_id, self.models, len(self.held), preemptible, self.joined)
 
 
 @dataclass(frozen=True)
@@ -78,6 +108,9 @@ class Dispatcher:
         self.loaded = False
         self._joined = itertools.count()
         self._turn_clock_us = 0  # the latest turn this process gave
+        # A waiting job -> the worker asked to give back one of its account's jobs to make it room:
+        # the next dispatch sends it there first (while it is still queued).
+        self.reserved: dict[str, str] = {}
 
     @property
     def shared(self) -> bool:
@@ -119,8 +152,12 @@ class Dispatcher:
                 listed = set(listed)
                 joined = Joined(replaced, listed - given, given - listed)
                 letting_go, kept = joined.cancel, (given & listed) | joined.cancel
-            self.workers[worker_id] = ConnectedWorker(worker_id, channel_name, frozenset(models),
-                                                      next(self._joined), kept, protocol, set(letting_go))
+            worker = ConnectedWorker(worker_id, channel_name, frozenset(models), next(self._joined), kept, protocol,
+                                     set(letting_go))
+            if previous is not None:  # what it knew of the jobs it still holds
+                worker.keys = {job_id: key for job_id, key in previous.keys.items() if job_id in kept}
+                worker.started = previous.started & kept
+            self.workers[worker_id] = worker
             return joined
 
     def disconnect(self, *, worker_id: str, channel_name: str) -> set[str] | None:
@@ -131,6 +168,7 @@ class Dispatcher:
             if worker is None or worker.channel_name != channel_name:
                 return None
             del self.workers[worker_id]
+            self.reserved = {job: at for job, at in self.reserved.items() if at != worker_id}
             return worker.held
 
     def drain(self, *, worker_id: str, channel_name: str) -> bool:
@@ -203,8 +241,7 @@ class Dispatcher:
                     if until_let_go and worker.protocol >= 2:
                         worker.letting_go.add(job_id)
                     else:
-                        worker.held.discard(job_id)
-                        worker.letting_go.discard(job_id)
+                        worker.forget(job_id)
                     return worker.worker_id
             for orphan_id, orphans in self.orphans.items():
                 if job_id in orphans.held and worker_id in (None, orphan_id):
@@ -220,8 +257,7 @@ class Dispatcher:
             worker = self.workers.get(worker_id)
             if worker is None or job_id not in worker.letting_go:
                 return False
-            worker.letting_go.discard(job_id)
-            worker.held.discard(job_id)
+            worker.forget(job_id)
             return True
 
     def plan(self, claim: Callable[[Assignment], bool], *, at_us: int | None = None) -> list[Assignment]:
@@ -232,7 +268,7 @@ class Dispatcher:
         A job whose claim fails (cancelled meanwhile) is dropped from the plan and planning goes on.
         """
         with self.lock:
-            done: list[Assignment] = []
+            done = self._serve_reserved(claim)
             while True:
                 capacities = [WorkerCapacity(w.worker_id, w.models, len(w.held), w.joined)
                               for w in self.workers.values() if not w.draining]
@@ -244,8 +280,85 @@ class Dispatcher:
                     return done
                 for assignment in planned:
                     if claim(assignment):
-                        self.workers[assignment.worker_id].held.add(assignment.job.job_id)
+                        self._hold(assignment)
                         done.append(assignment)
+
+    def _hold(self, assignment: Assignment) -> None:
+        worker = self.workers[assignment.worker_id]
+        worker.held.add(assignment.job.job_id)
+        worker.keys[assignment.job.job_id] = assignment.job
+
+    def _serve_reserved(self, claim: Callable[[Assignment], bool]) -> list[Assignment]:
+        """Under the lock: each waiting job for which a worker was asked to give a job back goes to
+        that worker once it has room, ahead of the queue's order (its account's turn stays where it
+        was: the account swapped one of its own jobs for another). A reservation ends when it is
+        served, or its job is no longer queued, or its worker left or drains."""
+        done: list[Assignment] = []
+        for job_id, worker_id in list(self.reserved.items()):
+            worker = self.workers.get(worker_id)
+            if worker is not None and not worker.draining and len(worker.held) >= self.depth:
+                continue  # not yet given back
+            del self.reserved[job_id]
+            if worker is None or worker.draining:
+                continue
+            job = self.queues.remove(job_id)
+            if job is None:
+                continue  # dispatched elsewhere, cancelled or paused meanwhile
+            assignment = Assignment(job, worker_id)
+            if claim(assignment):
+                self._hold(assignment)
+                done.append(assignment)
+        return done
+
+    def preemptions_for(self, waiting: Iterable[QueuedJob]) -> list[Preemption]:
+        """The priority preemptions (policy.plan_preemptions) that would make room for these
+        waiting jobs on this process's workers; nothing is changed until `preempting` records them."""
+        with self.lock:
+            waiting = [job for job in waiting if job.job_id not in self.reserved]
+            if not waiting:
+                return []
+            workers = [w.holding() for w in self.workers.values() if not w.draining]
+            return plan_preemptions(waiting, workers, depth=self.depth)
+
+    def preempting(self, preemption: Preemption) -> str | None:
+        """Record a priority preemption about to be sent: the job leaves no more candidates, and its
+        worker's room goes to `for_job_id`. The worker's channel, or None when it changed meanwhile
+        (it no longer holds the job, or was asked already)."""
+        with self.lock:
+            worker = self.workers.get(preemption.worker_id)
+            if (worker is None or preemption.job_id not in worker.held or preemption.job_id in worker.letting_go
+                    or preemption.job_id in worker.preempting or preemption.for_job_id in self.reserved):
+                return None
+            worker.preempting.add(preemption.job_id)
+            self.reserved[preemption.for_job_id] = preemption.worker_id
+            return worker.channel_name
+
+    def asked_to_preempt(self, job_id: str) -> None:
+        """A pause sent `preempt` for a held job: it is no candidate for the priority preemption."""
+        with self.lock:
+            for worker in self.workers.values():
+                if job_id in worker.held:
+                    worker.preempting.add(job_id)
+
+    def describe(self, worker_id: str, jobs: Iterable[HeldJob]) -> None:
+        """What the database says of the jobs a worker holds (its hello): their keys, and which
+        have begun, for the priority preemption."""
+        with self.lock:
+            worker = self.workers.get(worker_id)
+            if worker is None:
+                return
+            for held in jobs:
+                if held.job.job_id in worker.held:
+                    worker.keys[held.job.job_id] = held.job
+                    if held.started:
+                        worker.started.add(held.job.job_id)
+
+    def started(self, job_id: str, *, worker_id: str) -> None:
+        """The worker began the job's first step."""
+        with self.lock:
+            worker = self.workers.get(worker_id)
+            if worker is not None and job_id in worker.held:
+                worker.started.add(job_id)
 
     def position(self, job_id: str) -> int | None:
         with self.lock:

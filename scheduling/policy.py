@@ -144,6 +144,61 @@ def plan_dispatch(queues: Heads, workers: Sequence[WorkerCapacity], *, depth: in
             return assignments
 
 
+class HeldJob(NamedTuple):
+    """A job a worker holds, as the priority preemption sees it: its queue key and whether its
+    first step has begun."""
+
+    job: QueuedJob
+    started: bool
+
+
+@dataclass(frozen=True)
+class Holding:
+    """A connected worker that takes new jobs, for the priority preemption: how many jobs count
+    against its depth, and those it could be asked to give back (`preemptible`: held by a v2
+    worker, not being cancelled or preempted already)."""
+
+    worker_id: str
+    models: frozenset[str]
+    held: int
+    preemptible: tuple[HeldJob, ...]
+    joined: int  # connection order, for a stable tie-break
+
+
+class Preemption(NamedTuple):
+    """Take `job_id` off `worker_id` to make room there for the waiting `for_job_id`."""
+
+    worker_id: str
+    job_id: str
+    for_job_id: str
+
+
+def plan_preemptions(waiting: Iterable[QueuedJob], workers: Sequence[Holding], *, depth: int) -> list[Preemption]:
+    """The API's priority preemption (docs/protocol.md, "Step-boundary scheduling"). A waiting job
+    that can go nowhere, because every worker serving its model holds `depth` jobs, takes the place
+    of a held job of its own account with a lower priority: the lowest priority first, one not yet
+    started before one running, then the one furthest back in the account's line, then the worker
+    joined first. Another account's job is never taken: priority orders an account's own jobs and
+    never undoes fair share. Waiting jobs are served highest priority first (the account's line
+    order), each held job given back for one of them at most."""
+    taken: set[str] = set()
+    preemptions: list[Preemption] = []
+    for job in sorted(waiting, key=lambda waiting_job: waiting_job.key):
+        serving = [worker for worker in workers if job.model_id in worker.models]
+        if not serving or any(worker.held < depth for worker in serving):
+            continue  # nowhere to go, or a worker has room: the dispatch places it
+        choices = [(held.job.priority, held.started, -held.job.submitted_us, worker.joined, held.job.job_id,
+                    worker.worker_id)
+                   for worker in serving for held in worker.preemptible
+                   if held.job.account == job.account and held.job.priority < job.priority
+                   and held.job.job_id not in taken]
+        if choices:
+            *_, job_id, worker_id = min(choices)
+            taken.add(job_id)
+            preemptions.append(Preemption(worker_id, job_id, job.job_id))
+    return preemptions
+
+
 def retry_decision(*, attempts: int) -> str:
     """What happens to a job whose worker died: 'requeue' on its first attempt, else 'fail'."""
     return "requeue" if attempts < 2 else "fail"

@@ -8,6 +8,7 @@ import binascii
 import json
 import logging
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -30,7 +31,7 @@ from scheduling.checkpoints import checkpoint_discard, checkpoint_read, checkpoi
 from scheduling.dispatcher import Dispatcher, dispatcher
 from scheduling.errors import JobAlreadyEnded, JobNotPaused, TooManyJobs
 from scheduling.models import ENDED_STATES, HELD_STATES, UNFINISHED_STATES, Job, JobState
-from scheduling.policy import Assignment, QueuedJob, retry_decision
+from scheduling.policy import Assignment, HeldJob, Preemption, QueuedJob, retry_decision
 from workers import selectors as worker_rows
 
 log = logging.getLogger(__name__)
@@ -154,15 +155,66 @@ def jobs_dispatch(*, now: datetime) -> list[Assignment]:
             to_socket_after_commit(channel_name, _job_order(job, claimed, protocol=protocol).to_wire())
 
 
-def jobs_dispatch_or_wake(*, queued: set[str], now: datetime) -> list[Assignment]:
-    """Dispatch; with a shared queue, jobs of `queued` that no worker of this process took wake the
-    other processes (from the dispatch's own answer: no queue lookup on the submit path; a job
-    another thread dispatched meanwhile only costs a needless wake-up). The dispatch's assignments."""
+def jobs_dispatch_or_wake(*, queued: Collection[QueuedJob], now: datetime) -> list[Assignment]:
+    """Dispatch; jobs of `queued` (just queued) that no worker of this process took may make room
+    for themselves by the priority preemption (`jobs_make_room`), and with a shared queue those
+    still waiting wake the other processes, which try the same with their workers (from the
+    dispatch's own answer: no queue lookup on the submit path; a job another thread dispatched
+    meanwhile only costs a needless wake-up). The dispatch's assignments."""
     assignments = jobs_dispatch(now=now)
-    if dispatcher().shared and queued - {assignment.job.job_id for assignment in assignments}:
+    taken = {assignment.job.job_id for assignment in assignments}
+    waiting = jobs_make_room([job for job in queued if job.job_id not in taken], now=now)
+    if dispatcher().shared and waiting:
         # every process with a worker looks at the shared queue again (`jobs.available`)
-        relay.group_send_others_sync(WORKERS_GROUP, {"type": "jobs.available"})
+        relay.group_send_others_sync(WORKERS_GROUP, {"type": "jobs.available",
+                                                     "waiting": [list(job[:5]) for job in waiting]})
     return assignments
+
+
+def jobs_dispatch_for(*, waiting: Collection[QueuedJob], now: datetime) -> None:
+    """Another process queued `waiting` and could not place them (`jobs.available`): dispatch here,
+    and make room for those still queued on this process's workers."""
+    taken = {assignment.job.job_id for assignment in jobs_dispatch(now=now)}
+    jobs_make_room([job for job in waiting if job.job_id not in taken], now=now)
+
+
+def waiting_of(event: dict[str, Any]) -> list[QueuedJob]:
+    """The waiting jobs a `jobs.available` event names (none from an older process, or a bad entry)."""
+    jobs: list[QueuedJob] = []
+    for entry in event.get("waiting") or ():
+        try:
+            job_id, model_id, priority, submitted_us, account = entry
+            jobs.append(QueuedJob(str(job_id), str(model_id), int(priority), int(submitted_us), str(account)))
+        except (TypeError, ValueError):
+            log.warning("a jobs.available event names a waiting job this process cannot read: %r", entry)
+    return jobs
+
+
+def jobs_make_room(waiting: Collection[QueuedJob], *, now: datetime) -> list[QueuedJob]:
+    """The priority preemption: for each waiting job that can go nowhere, a worker of this process
+    holding a lower-priority job of the same account is sent `preempt` for it (policy.plan_preemptions),
+    and the job goes there once that worker answers. Only jobs still queued in the database are
+    served (another process may have placed one meanwhile). The waiting jobs left without room."""
+    if not waiting:
+        return []
+    current = dispatcher()
+    planned = current.preemptions_for(waiting)
+    if planned:
+        queued = {str(job_id) for job_id in Job.objects.filter(
+            id__in=[p.for_job_id for p in planned], state=JobState.QUEUED).values_list("id", flat=True)}
+        served = {p.for_job_id for p in planned if p.for_job_id in queued and _send_preempt(current, p)}
+        return [job for job in waiting if job.job_id not in served]
+    return list(waiting)
+
+
+def _send_preempt(current: Dispatcher, preemption: Preemption) -> bool:
+    channel = current.preempting(preemption)
+    if channel is None:
+        return False
+    log.info("job %s preempted on %s to make room for job %s of the same account, with a higher priority",
+             preemption.job_id, preemption.worker_id, preemption.for_job_id)
+    to_socket_after_commit(channel, Preempt(preemption.job_id).to_wire())
+    return True
 
 
 # --- REST side --------------------------------------------------------------------------------
@@ -200,7 +252,7 @@ def _queue_and_dispatch(job: Job, *, now: datetime) -> None:
     """Queue the new job and dispatch. When a worker here took it, `job` says so as the claim wrote
     it, so that the submission's answer needs no second read of the row."""
     dispatcher().push(queued_job(job))
-    for assignment in jobs_dispatch_or_wake(queued={str(job.id)}, now=now):
+    for assignment in jobs_dispatch_or_wake(queued=[queued_job(job)], now=now):
         if assignment.job.job_id == str(job.id):
             job.state, job.worker_id, job.dispatched_at = JobState.DISPATCHED, assignment.worker_id, now
             job.turn_us = assignment.job.turn_us if assignment.job.turn_us is not None else job.turn_us
@@ -252,7 +304,7 @@ def job_requeue(*, job: Job, now: datetime) -> Job:
         holder = current.release(str(job.id))
         _tell_holder(current, holder, str(job.id), worker_id)
         current.push(queued_job(job))
-        jobs_dispatch_or_wake(queued={str(job.id)}, now=now)
+        jobs_dispatch_or_wake(queued=[queued_job(job)], now=now)
     return job
 
 
@@ -293,6 +345,7 @@ def _preempt(current: Dispatcher, job_id: str, worker_id: str | None, *, now: da
     paused at once, with no new checkpoint."""
     holder = current.holder_of(job_id)
     if holder is not None and holder.protocol >= PROTOCOL_V2:
+        current.asked_to_preempt(job_id)
         to_socket_after_commit(holder.channel_name, Preempt(job_id).to_wire())
         return
     released = current.release(job_id)
@@ -326,6 +379,7 @@ def _drop_checkpoint(job: Job) -> None:
 # --- worker side ------------------------------------------------------------------------------
 
 def job_started(*, worker_id: str, job_id: str, now: datetime) -> bool:
+    dispatcher().started(job_id, worker_id=worker_id)
     return Job.objects.filter(id=job_id, worker_id=worker_id, state=JobState.DISPATCHED).update(
         state=JobState.RUNNING, started_at=now) == 1
 
@@ -334,6 +388,7 @@ def job_progress(*, worker_id: str, job_id: str, step: int, steps: int, now: dat
     updated = Job.objects.filter(id=job_id, worker_id=worker_id, state__in=HELD_STATES).update(
         progress_step=step, progress_steps=steps)
     # A worker may report progress before job_started arrives; progress means it is running.
+    dispatcher().started(job_id, worker_id=worker_id)
     Job.objects.filter(id=job_id, worker_id=worker_id, state=JobState.DISPATCHED).update(
         state=JobState.RUNNING, started_at=now)
     return updated == 1
@@ -473,7 +528,7 @@ def job_preempted(*, worker_id: str, job_id: str, step: int, steps: int, checkpo
     current.release(job_id, worker_id=worker_id)
     if back == JobState.QUEUED:
         current.push(queued_job(job))
-        jobs_dispatch_or_wake(queued={job_id}, now=now)
+        jobs_dispatch_or_wake(queued=[queued_job(job)], now=now)
     else:
         jobs_dispatch(now=now)
     return True
@@ -514,7 +569,7 @@ def jobs_return(*, job_ids: set[str], now: datetime) -> None:
     """The worker holding these jobs died: each goes back to the queue at its old place once,
     and fails with worker_lost the second time."""
     current = dispatcher()
-    requeued: list[str] = []
+    requeued: list[QueuedJob] = []
     for job in Job.objects.filter(id__in=job_ids, state__in=HELD_STATES):
         current.release(str(job.id))
         if retry_decision(attempts=job.attempts) == "requeue":
@@ -523,12 +578,12 @@ def jobs_return(*, job_ids: set[str], now: datetime) -> None:
                               attempts=job.attempts + 1, progress_step=None, progress_steps=None)
             if back == JobState.QUEUED:
                 current.push(queued_job(job))
-                requeued.append(str(job.id))
+                requeued.append(queued_job(job))
         elif Job.objects.filter(id=job.id, state__in=HELD_STATES).update(
                 state=JobState.FAILED, error=WORKER_LOST, finished_at=now, pause_requested=False, checkpoint="",
                 checkpoint_step=None):
             checkpoint_discard(job.checkpoint)
-    jobs_dispatch_or_wake(queued=set(requeued), now=now)
+    jobs_dispatch_or_wake(queued=requeued, now=now)
 
 
 # --- workers connecting and leaving (called by workers.lifecycle) ------------------------------
@@ -540,18 +595,22 @@ def worker_jobs_connect(*, worker_id: str, channel_name: str, models: list[str],
     restarted meanwhile) are cancelled on it first. A v2 worker (`listed`: its hello's `jobs`)
     keeps those it lists, the others follow the dead-worker rule at once, and a listed job the API
     does not give it gets `cancel`."""
-    rows = list(Job.objects.filter(worker_id=worker_id, state__in=HELD_STATES).values_list("id", "pause_requested"))
-    held = {str(job_id) for job_id, _ in rows}
+    rows = list(Job.objects.filter(worker_id=worker_id, state__in=HELD_STATES).values_list(
+        "id", "pause_requested", "model_id", "priority", "submitted_us", "account_id", "state"))
+    held = {str(row[0]) for row in rows}
     current = dispatcher()
     joined = current.connect(worker_id=worker_id, channel_name=channel_name, models=models, held=held,
                              protocol=protocol, listed=listed)
+    current.describe(worker_id, [HeldJob(QueuedJob(str(job_id), model_id, priority, submitted_us, str(account)),
+                                         state == JobState.RUNNING)
+                                 for job_id, _, model_id, priority, submitted_us, account, state in rows])
     for job_id in sorted(joined.cancel):
         to_socket_after_commit(channel_name, Cancel(job_id).to_wire())
     if joined.lost:
         jobs_return(job_ids=joined.lost, now=now)
     # A pause asked while it held a job: its preempt (or its answer) may have been lost with the
     # connection, so the worker that still holds the job is asked again.
-    for job_id in sorted({str(job_id) for job_id, asked in rows if asked} - joined.lost):
+    for job_id in sorted({str(row[0]) for row in rows if row[1]} - joined.lost):
         _preempt(current, job_id, worker_id, now=now)
     orphans_sweep(now=now)
     jobs_dispatch(now=now)

@@ -267,7 +267,7 @@ class WorkerConsumer(RelayConsumer):
     async def jobs_available(self, event: dict[str, Any]) -> None:
         """A job waits that the process that queued it could not place: look at the queue again."""
         if self.worker_id is not None and not self.lost:
-            await lifecycle.dispatch_soon()
+            await lifecycle.dispatch_soon(waiting=jobs.waiting_of(event))
 
     async def worker_cancel(self, event: dict[str, Any]) -> None:
         """Another process cancelled (or requeued) a job of this worker: tell it, free its place."""

@@ -3,6 +3,7 @@ The one place that fans out to both scheduling (held jobs, dispatch) and realtim
 admission); the worker consumer only translates. Also what operators see of both (`queues_snapshot`)."""
 from __future__ import annotations
 
+from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
 
@@ -15,6 +16,7 @@ from realtime import selectors as session_reads
 from realtime import services as sessions
 from scheduling import selectors as job_reads
 from scheduling import services as jobs
+from scheduling.policy import QueuedJob
 from workers import selectors, services
 from workers.models import WorkerToken
 from workers.services import HelloRecord
@@ -80,13 +82,22 @@ def worker_rung_changed(*, worker_id: str, entry: ModelEntry, channel_name: str,
 
 class DispatchSoon:
     """Runs the dispatch once for this process however many of its worker sockets are woken at once:
-    a wake-up during a run makes one more run after it, not one per socket."""
+    a wake-up during a run makes one more run after it, not one per socket. The waiting jobs a
+    wake-up names (another process could not place them) are gathered for that run, which makes
+    room for them by the priority preemption; at most `MAX_WAITING` are kept (the rest wait for
+    the next wake-up: only a burst of submissions names that many)."""
+
+    MAX_WAITING = 1000
 
     def __init__(self) -> None:
         self.running = False
         self.again = False
+        self.waiting: dict[str, QueuedJob] = {}
 
-    async def __call__(self) -> None:
+    async def __call__(self, *, waiting: Iterable[QueuedJob] = ()) -> None:
+        for job in waiting:
+            if len(self.waiting) < self.MAX_WAITING:
+                self.waiting[job.job_id] = job
         if self.running:
             self.again = True
             return
@@ -94,7 +105,8 @@ class DispatchSoon:
         try:
             while True:
                 self.again = False
-                await database_sync_to_async(jobs.jobs_dispatch)(now=timezone.now())
+                named, self.waiting = list(self.waiting.values()), {}
+                await database_sync_to_async(jobs.jobs_dispatch_for)(waiting=named, now=timezone.now())
                 if not self.again:
                     return
         finally:

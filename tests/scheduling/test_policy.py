@@ -8,7 +8,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule
 
-from scheduling.policy import QueuedJob, Turn, WorkerCapacity, plan_dispatch, retry_decision
+from scheduling.policy import (
+    HeldJob,
+    Holding,
+    Preemption,
+    QueuedJob,
+    Turn,
+    WorkerCapacity,
+    plan_dispatch,
+    plan_preemptions,
+    retry_decision,
+)
 from scheduling.queues.memory import MemoryQueues
 
 
@@ -463,6 +473,105 @@ def test_it_never_overfills_a_worker_nor_sends_a_job_twice_nor_leaves_a_fitting_
     for model in ["a", "b", "c"]:
         taken = [a.job.job_id for a in planned if a.job.model_id == model]
         assert taken == order_before[model][:len(taken)]
+
+
+# --- plan_preemptions ---------------------------------------------------------------------------
+
+def held(job_id: str, *, account: str = "alice", priority: int = 0, at: int = 0, started: bool = True,
+         model: str = "m") -> HeldJob:
+    return HeldJob(QueuedJob(job_id, model, priority, at, account), started)
+
+
+def holding(worker_id: str, *jobs: HeldJob, models: str | set[str] = "m", held_count: int | None = None,
+            joined: int = 0) -> Holding:
+    return Holding(worker_id, frozenset({models} if isinstance(models, str) else models),
+                   len(jobs) if held_count is None else held_count, jobs, joined)
+
+
+def urgent(job_id: str = "urgent", *, account: str = "alice", priority: int = 9, at: int = 100,
+           model: str = "m") -> QueuedJob:
+    return QueuedJob(job_id, model, priority, at, account)
+
+
+PREEMPTION_CASES = [
+    pytest.param([urgent()], [holding("w", held("a1", at=1), held("a2", at=2, started=False))],
+                 [Preemption("w", "a2", "urgent")], id="one not yet started before one running"),
+    pytest.param([urgent()], [holding("w", held("a1", at=1), held("a2", at=2))],
+                 [Preemption("w", "a2", "urgent")], id="both running: the one furthest back in the line"),
+    pytest.param([urgent()], [holding("w", held("a1", priority=1, at=1, started=False), held("a2", priority=0, at=2))],
+                 [Preemption("w", "a2", "urgent")], id="the lowest priority first, started or not"),
+    pytest.param([urgent()], [holding("w", held("b1", account="bob"), held("b2", account="bob"))], [],
+                 id="fair share: another account's job is never taken"),
+    pytest.param([urgent()], [holding("w", held("b1", account="bob"), held("a1", priority=3))],
+                 [Preemption("w", "a1", "urgent")], id="only its own account's job, beside another's"),
+    pytest.param([urgent(priority=3)], [holding("w", held("a1", priority=3), held("a2", priority=5))], [],
+                 id="an equal or higher priority is never taken"),
+    pytest.param([urgent()], [holding("full", held("a1"), held("a2")), holding("room", held("b1", account="bob"),
+                                                                                   joined=1)], [],
+                 id="a worker serving the model has room: no preemption (the dispatch places it)"),
+    pytest.param([urgent()], [holding("w", held("a1"), held("a2"), models="other")], [],
+                 id="no worker serves its model"),
+    pytest.param([urgent()], [holding("w1", held("a1", priority=2), held("b1", account="bob"), joined=0),
+                              holding("w2", held("a2", priority=1), held("b2", account="bob"), joined=1)],
+                 [Preemption("w2", "a2", "urgent")], id="across workers: the lowest priority of them all"),
+    pytest.param([urgent()], [holding("w1", held("a1", at=5), held("b1", account="bob"), joined=1),
+                              holding("w2", held("a2", at=5), held("b2", account="bob"), joined=0)],
+                 [Preemption("w2", "a2", "urgent")], id="a tie: the worker joined first"),
+    pytest.param([urgent("u1", priority=5, at=100), urgent("u2", priority=9, at=101)],
+                 [holding("w", held("a1", priority=0), held("a2", priority=4))],
+                 [Preemption("w", "a1", "u2"), Preemption("w", "a2", "u1")],
+                 id="the highest priority waiting job first, each held job given back once"),
+    pytest.param([urgent("u1", at=100), urgent("u2", at=101)], [holding("w", held("a1"), held("b1", account="bob"))],
+                 [Preemption("w", "a1", "u1")], id="one held job makes room for one waiting job"),
+    pytest.param([urgent()], [holding("w", held("b1", account="bob"), held_count=2)], [],
+                 id="a job being let go or preempted already is not offered (only counted)"),
+    pytest.param([urgent()], [holding("w", held("a1", model="other", at=1), held("a2", model="other", at=2),
+                                      models={"m", "other"})],
+                 [Preemption("w", "a2", "urgent")], id="a held job of another model of the same worker"),
+    pytest.param([], [holding("w", held("a1"), held("a2"))], [], id="nothing waits"),
+]
+
+
+@pytest.mark.parametrize(("waiting", "workers", "expected"), PREEMPTION_CASES)
+def test_it_plans_the_priority_preemptions(waiting, workers, expected):
+    assert plan_preemptions(waiting, workers, depth=2) == expected
+
+
+@st.composite
+def preemption_situations(draw):
+    depth = draw(st.integers(1, 3))
+    workers = []
+    for n in range(draw(st.integers(0, 4))):
+        jobs = tuple(HeldJob(QueuedJob(f"h{n}.{k}", draw(st.sampled_from(["a", "b"])), draw(st.integers(0, 3)),
+                                       draw(st.integers(0, 9)), draw(st.sampled_from(ACCOUNTS))), draw(st.booleans()))
+                     for k in range(draw(st.integers(0, depth))))
+        workers.append(Holding(f"w{n}", frozenset(draw(st.sets(st.sampled_from(["a", "b"]), min_size=1))),
+                               len(jobs) + draw(st.integers(0, 1)), jobs, n))
+    waiting = [QueuedJob(f"q{n}", m, p, 10 + n, account) for n, (m, p, account) in enumerate(
+        draw(st.lists(st.tuples(st.sampled_from(["a", "b"]), st.integers(0, 4), st.sampled_from(ACCOUNTS)),
+                      max_size=6)))]
+    return waiting, workers, depth
+
+
+@given(preemption_situations())
+@settings(max_examples=300, deadline=None)
+def test_a_preemption_only_ever_gives_an_account_s_place_to_its_own_more_urgent_job(situation):
+    waiting, workers, depth = situation
+    by_job = {h.job.job_id: (w, h) for w in workers for h in w.preemptible}
+    wanted = {job.job_id: job for job in waiting}
+
+    planned = plan_preemptions(waiting, workers, depth=depth)
+
+    assert len({p.job_id for p in planned}) == len(planned), "a held job given back twice"
+    assert len({p.for_job_id for p in planned}) == len(planned), "two places for one waiting job"
+    for preemption in planned:
+        worker, given_back = by_job[preemption.job_id]
+        job = wanted[preemption.for_job_id]
+        assert worker.worker_id == preemption.worker_id and job.model_id in worker.models
+        assert given_back.job.account == job.account, "fair share undone"
+        assert given_back.job.priority < job.priority
+        serving = [w for w in workers if job.model_id in w.models]
+        assert all(w.held >= depth for w in serving), "preempted while a worker had room"
 
 
 # --- retry_decision -----------------------------------------------------------------------------

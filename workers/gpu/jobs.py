@@ -64,6 +64,7 @@ class HeldJob:
     answer_cancel: bool = False  # the cancel came from a v2 API: it is owed job_failed "cancelled"
     preempt_asked: bool = False  # the API said `preempt`: it is owed job_preempted
     set_aside: Stopped | None = None  # where it stopped when a higher-priority job overtook it
+    checkpoint_timer: CheckpointTimer | None = None  # its periodic checkpoints, over all its runs here
     started_sent: bool = False  # job_started went out (once, whatever the runs)
     _cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -266,7 +267,11 @@ class DenoiseLoop:
             self._post(JobProgress(job.job_id, step, steps).to_wire(), job)
             frame_seconds += self._run_frames(gather=False)  # between two steps: frames wait one step at most
 
-        timer = CheckpointTimer(self._checkpoint_seconds(), self._clock)
+        timer = job.checkpoint_timer
+        if timer is None:
+            timer = job.checkpoint_timer = CheckpointTimer(self._checkpoint_seconds(), self._clock)
+        else:  # back from being set aside: its running time so far still counts
+            timer.go_on()
 
         def on_checkpoint(checkpoint: Checkpoint | None) -> None:
             message = checkpoint_message(job.job_id, checkpoint)
@@ -332,6 +337,8 @@ class DenoiseLoop:
             overtaken = not (job.preempt_asked or job.cancelled or self._stopping.is_set())
             if overtaken:
                 job.set_aside = where  # the run's end leaves it in the book
+                if job.checkpoint_timer is not None:
+                    job.checkpoint_timer.set_aside()
         if overtaken:
             log.info("job %s set aside after step %d of %d for a job of higher priority", job.job_id, where.step,
                      where.steps)

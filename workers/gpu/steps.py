@@ -78,13 +78,25 @@ def resume_from(set_aside: Stopped | None, resume: Resume | None, *, job_id: str
 
 
 class CheckpointTimer:
-    """`due()` is polled at each step boundary of one run: true at the first boundary after each
-    `seconds` (counted from the run's start; 0: never), by the injected clock."""
+    """`due()` is polled at each step boundary of a job's runs: true at the first boundary after
+    each `seconds` of running (counted from its first run's start; 0: never), by the injected
+    clock. The time a job spends set aside for another does not count (its progress is what a
+    checkpoint saves, and it makes none meanwhile): `set_aside()` stops the count, `go_on()`
+    starts it again."""
 
     def __init__(self, seconds: float, clock: Callable[[], float]):
         self._clock = clock
         self._every = seconds if seconds > 0 else math.inf
         self._next = clock() + self._every if seconds > 0 else math.inf
+        self._left: float | None = None  # while set aside: the running time until the next capture
+
+    def set_aside(self) -> None:
+        if self._left is None and self.active:
+            self._left = max(0.0, self._next - self._clock())
+
+    def go_on(self) -> None:
+        if self._left is not None:
+            self._next, self._left = self._clock() + self._left, None
 
     @property
     def active(self) -> bool:

@@ -365,6 +365,33 @@ def test_a_running_job_sends_its_checkpoint_at_the_first_step_boundary_after_eac
     run_async(body())
 
 
+def test_the_running_time_before_a_job_was_set_aside_counts_towards_its_next_checkpoint(
+        parking: Any, uninterrupted: Any) -> None:
+    clock = SteppingClock()
+    params = {**JOB_A, "steps": 6}
+    pipeline = ClockedPipeline(parking((JOB_A["prompt"], 1)), clock, 3.0)
+
+    async def body() -> None:
+        async with FakeApi(protocol=2, checkpoint_seconds=5) as fake:
+            async with running(make_client(fake, {"tiny-sd": pipeline}, clock=clock)):
+                await fake.next_message("hello")
+                a = await fake.job(params, account="k1", priority=0)
+                await fake.next_message("job_progress", job_id=a, step=1)
+                b = await fake.job(JOB_B, account="k1", priority=1)
+                await fake.barrier()
+                pipeline.inner.go_on(JOB_A["prompt"], 1)
+                await fake.next_message("job_result", job_id=b)
+                result = await fake.next_message("job_result", job_id=a)
+
+            assert result["images"] == uninterrupted(params)
+            checkpoints = [(m["step"], m["steps"]) for m in fake.about(a) if m["type"] == "job_checkpoint"]
+            # a: step 1 ends at 3 s (2 s of its 5 left), b runs 6 s, a goes on at 9 s: due at 11 s, at
+            # its step 2 (12 s); counted afresh from 9 s it would be step 3 (15 s)
+            assert checkpoints == [(2, 6), (4, 6), (6, 6)]
+
+    run_async(body())
+
+
 @pytest.mark.parametrize(("protocol", "seconds"), [(2, 0), (2, None), (None, 5)], ids=["zero", "absent", "v1-api"])
 def test_no_job_checkpoint_is_sent_without_a_v2_checkpoint_period(tiny_pipeline: Any, protocol: int | None,
                                                                    seconds: float | None) -> None:
