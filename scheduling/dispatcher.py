@@ -193,6 +193,11 @@ class Dispatcher:
         with self.lock:
             return set(self.orphans)
 
+    def knows(self, worker_id: str) -> bool:
+        """Whether the worker is connected here, or is one this process waits for since it started."""
+        with self.lock:
+            return worker_id in self.workers or worker_id in self.orphans
+
     def connected_ids(self) -> set[str]:
         with self.lock:
             return set(self.workers)

@@ -337,16 +337,23 @@ def job_resume(*, job: Job, now: datetime) -> Job:
     return job
 
 
-def _preempt(current: Dispatcher, job_id: str, worker_id: str | None, *, now: datetime) -> None:
+def _preempt(current: Dispatcher, job_id: str, worker_id: str | None, *, now: datetime,
+             relayed: bool = False) -> None:
     """Take a held job off its worker for a pause. A v2 worker connected here gets `preempt`; the
     job counts against its depth until its `job_preempted`, which pauses it with its checkpoint.
-    Any other holder (a v1 worker, one not back since this process started, or one connected to
-    another process, whose protocol only that process knows) is told to cancel it, and the job is
-    paused at once, with no new checkpoint."""
+    A worker this process does not know, with a shared queue, may be connected to another process:
+    that one is asked to do the same (`worker.preempt`; `relayed`: this process is that one, and
+    leaves a worker it does not hold either to the dead-worker rule, which pauses the job). Any
+    other holder (a v1 worker, one not back since this process started) is told to cancel it, and
+    the job is paused at once, with no new checkpoint."""
     holder = current.holder_of(job_id)
     if holder is not None and holder.protocol >= PROTOCOL_V2:
         current.asked_to_preempt(job_id)
         to_socket_after_commit(holder.channel_name, Preempt(job_id).to_wire())
+        return
+    if holder is None and current.shared and worker_id and not current.knows(worker_id):
+        if not relayed:
+            relay.group_send_sync(WORKERS_GROUP, {"type": "worker.preempt", "worker_id": worker_id, "job_id": job_id})
         return
     released = current.release(job_id)
     _tell_holder(current, released, job_id, worker_id)
@@ -556,6 +563,18 @@ def _let_go(job_id: str, worker_id: str, *, now: datetime) -> bool:
 def _release_and_dispatch(job_id: str, worker_id: str, *, now: datetime) -> None:
     if dispatcher().release(job_id, worker_id=worker_id):
         jobs_dispatch(now=now)
+
+
+def job_preempt_held(*, worker_id: str, job_id: str, now: datetime) -> None:
+    """Another API process paused a job held by this process's worker (`worker.preempt`): a v2
+    worker gets `preempt`, a v1 one `cancel` (and the job is paused at once), as for a pause here."""
+    try:
+        uuid.UUID(job_id)
+    except ValueError:
+        log.warning("a worker.preempt event names no job: %r", job_id)
+        return
+    if Job.objects.filter(id=job_id, worker_id=worker_id, state__in=HELD_STATES, pause_requested=True).exists():
+        _preempt(dispatcher(), job_id, worker_id, now=now, relayed=True)
 
 
 def job_left_worker(*, worker_id: str, job_id: str, now: datetime) -> None:

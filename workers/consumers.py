@@ -276,6 +276,12 @@ class WorkerConsumer(RelayConsumer):
             await database_sync_to_async(jobs.job_left_worker)(worker_id=self.worker_id or "",
                                                                job_id=event["job_id"], now=timezone.now())
 
+    async def worker_preempt(self, event: dict[str, Any]) -> None:
+        """Another process paused a job of this worker: it is preempted here (or cancelled on v1)."""
+        if event.get("worker_id") == self.worker_id and not self.lost:
+            await database_sync_to_async(jobs.job_preempt_held)(worker_id=self.worker_id or "",
+                                                                job_id=str(event.get("job_id", "")), now=timezone.now())
+
     async def socket_send(self, event: dict[str, Any]) -> None:
         """A message for the worker from a service (job, cancel, session_start, session_end). A
         session_start of the shared admission names the browser's channel, for its frame results."""

@@ -258,3 +258,36 @@ async def test_pausing_a_job_a_v1_worker_holds_cancels_it_there_and_pauses_it_at
     await worker.result(ids[0], [PNG_B64])  # it had finished before the cancel arrived: changes nothing
     assert await worker.silent()
     assert (await job_row(ids[0]))["state"] == "paused"
+
+
+# --- a pause asked on another API process -------------------------------------------------------
+
+async def test_a_pause_relayed_from_another_process_preempts_the_job_on_this_one(alice, v2_workers):
+    from scheduling.models import Job
+
+    ids = await submit_jobs(alice, 1)
+    worker = v2_workers()
+    await worker.join(["tiny-a"])
+    await worker.jobs(1)
+    # what job_pause wrote on the other process, before its worker.preempt event reached this one
+    await database_sync_to_async(Job.objects.filter(id=ids[0]).update)(pause_requested=True)
+
+    await database_sync_to_async(services.job_preempt_held)(worker_id="host-a:0", job_id=ids[0], now=timezone.now())
+
+    assert await worker.receive() == {"type": "preempt", "job_id": ids[0]}
+    assert await preempted(ids[0], 0, 10, None) is True
+    assert (await shown(alice, ids[0]))["state"] == "paused"
+
+
+async def test_a_relayed_pause_for_a_job_no_longer_being_paused_or_a_bad_id_changes_nothing(alice, v2_workers):
+    ids = await submit_jobs(alice, 1)
+    worker = v2_workers()
+    await worker.join(["tiny-a"])
+    await worker.jobs(1)
+
+    for job_id in (ids[0], "not-a-job"):
+        await database_sync_to_async(services.job_preempt_held)(worker_id="host-a:0", job_id=job_id,
+                                                                now=timezone.now())
+
+    assert await worker.silent()
+    assert (await shown(alice, ids[0]))["state"] == "dispatched"
