@@ -256,3 +256,28 @@ async def _checkpoint_is(job_id: str, step: int) -> bool:
 
 async def _state_is(job_id: str, state: str) -> bool:
     return (await job_row(job_id))["state"] == state
+
+
+async def test_cancelling_a_job_running_from_its_checkpoint_tells_the_worker_at_once_and_deletes_the_checkpoint(
+        alice, v2_workers, settings):
+    from tests.helpers import api_client
+
+    settings.JOB_DISPATCH_DEPTH = 1
+    job_id, = await submit_jobs(alice, 1)
+    worker = v2_workers()
+    await worker.join(["tiny-a"])
+    await worker.jobs(1)
+    await worker.started(job_id)
+    await worker.send(preempted(job_id, 5, 10, b"step 5"))
+    assert await worker.receive() == {"type": "job_ack", "job_id": job_id}
+    resumed, = await worker.jobs(1)
+    assert resumed["resume"]["step"] == 5
+    name = (await job_row(job_id))["checkpoint"]
+
+    answer = await database_sync_to_async(lambda: api_client(alice).post(f"/api/v1/jobs/{job_id}/cancel/"))()
+
+    assert answer.status_code == 200 and answer.json()["state"] == "cancelled", answer.content
+    assert await worker.receive() == {"type": "cancel", "job_id": job_id}
+    assert not await exists(name)
+    row = await job_row(job_id)
+    assert (row["checkpoint"], row["checkpoint_step"]) == ("", None)
