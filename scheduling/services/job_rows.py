@@ -1,0 +1,46 @@
+"""Small moves on a job's row that several services share: the microsecond clock the queue keys on,
+a row as the queue's QueuedJob, a held job sent back off its worker (to queued, or paused), an ended
+job's checkpoint dropped. The job path's story: docs/protocol.md, "The job" and "Pausing"."""
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from django.db.models import QuerySet
+
+from scheduling.checkpoints import checkpoint_discard
+from scheduling.models import Job, JobState
+from scheduling.policy import QueuedJob
+
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+# What a job leaves behind when it goes back off its worker (sent back, preempted, paused).
+_OFF_WORKER: dict[str, Any] = {"worker_id": None, "dispatched_at": None, "started_at": None}
+
+
+def to_microseconds(moment: datetime) -> int:
+    return (moment - EPOCH) // timedelta(microseconds=1)
+
+
+def queued_job(job: Job) -> QueuedJob:
+    return QueuedJob(job_id=str(job.id), model_id=job.model_id, priority=job.priority, submitted_us=job.submitted_us,
+                     account=str(job.account_id))
+
+
+def _send_back(held: QuerySet[Job], **fields: Any) -> JobState | None:
+    """Move a held job off its worker: to `queued`, or to `paused` when a pause was asked. Two
+    compare-and-sets, so that a pause asked meanwhile is never lost; the state it went to, or None
+    when `held` no longer finds it."""
+    if held.filter(pause_requested=False).update(state=JobState.QUEUED, **_OFF_WORKER, **fields):
+        return JobState.QUEUED
+    if held.filter(pause_requested=True).update(state=JobState.PAUSED, pause_requested=False, **_OFF_WORKER,
+                                                 **fields):
+        return JobState.PAUSED
+    return None
+
+
+def _drop_checkpoint(job: Job) -> None:
+    """An ended job keeps no checkpoint: its row forgets it, its blob is deleted."""
+    if job.checkpoint:
+        Job.objects.filter(id=job.id, checkpoint=job.checkpoint).update(checkpoint="", checkpoint_step=None)
+        checkpoint_discard(job.checkpoint)
+        job.checkpoint, job.checkpoint_step = "", None
