@@ -3,134 +3,34 @@
 The API parses what workers send and builds what it sends them; the worker program does the reverse."""
 from __future__ import annotations
 
-import base64
-import binascii
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
+from potocolom.protocol.entries import ModelEntry as ModelEntry
 from potocolom.protocol.errors import MessageError
-from potocolom.protocol.rungs import RUNG_FULL, RUNGS
+from potocolom.protocol.fields import MAX_CHECKPOINT_CHARS as MAX_CHECKPOINT_CHARS
+from potocolom.protocol.fields import MAX_STEPS as MAX_STEPS
+from potocolom.protocol.fields import (
+    Message,
+    checkpoint_field,
+    int_field,
+    number_or_none,
+    object_or_none,
+    step_fields,
+    string_field,
+    uuid_field,
+)
+from potocolom.protocol.fields import checkpoint_bytes as checkpoint_bytes
 
 MAX_MODELS = 1000  # model entries in one hello
-MAX_CHECKPOINT_CHARS = 8 * 2**20  # a checkpoint's base64 text (job_checkpoint, job_preempted, job.resume)
-MAX_STEPS = 100_000  # job_preempted / job_checkpoint `steps`: far above any real schedule
 MAX_HELD_JOBS = 1000  # job ids in a v2 hello's `jobs`
 PROTOCOL_V1 = 1  # a hello or welcome without `protocol`
 PROTOCOL_V2 = 2  # the highest protocol this code speaks
 REASON_CHARS = 500  # session_refused.reason is a short message
 
 
-# --- field readers ---------------------------------------------------------------------------------
-
-def _str(message: dict[str, Any], name: str, *, max_length: int = 200) -> str:
-    value = message.get(name)
-    if not isinstance(value, str) or not value or len(value) > max_length:
-        raise MessageError(f"{name} must be a non-empty string of at most {max_length} characters")
-    return value
-
-
-def _int(message: dict[str, Any], name: str, *, minimum: int = 0) -> int:
-    value = message.get(name)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise MessageError(f"{name} must be an integer of at least {minimum}")
-    return value
-
-
-def _number_or_none(message: dict[str, Any], name: str) -> float | None:
-    value = message.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise MessageError(f"{name} must be a number of at least 0, or null")
-    return float(value)
-
-
-def _uuid(message: dict[str, Any], name: str) -> str:
-    value = _str(message, name, max_length=64)
-    try:
-        return str(uuid.UUID(value))
-    except ValueError:
-        raise MessageError(f"{name} must be a UUID string") from None
-
-
-def _steps(message: dict[str, Any]) -> tuple[int, int]:
-    """`step` and `steps` of a step-boundary message: 0 <= step <= steps, 1 <= steps."""
-    step, steps = _int(message, "step"), _int(message, "steps", minimum=1)
-    if steps > MAX_STEPS or step > steps:
-        raise MessageError(f"step must be at most steps, and steps at most {MAX_STEPS}")
-    return step, steps
-
-
-def checkpoint_bytes(text: Any) -> bytes:
-    """A checkpoint's bytes from the wire's base64 text (at most MAX_CHECKPOINT_CHARS, standard
-    alphabet); MessageError for anything else."""
-    if not isinstance(text, str) or not text or len(text) > MAX_CHECKPOINT_CHARS:
-        raise MessageError(f"checkpoint must be a non-empty base64 string of at most {MAX_CHECKPOINT_CHARS} "
-                           "characters")
-    try:
-        return base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError):
-        raise MessageError("checkpoint is not valid base64") from None
-
-
-def _checkpoint(message: dict[str, Any], *, nullable: bool) -> str | None:
-    value = message.get("checkpoint")
-    if value is None and nullable:
-        return None
-    checkpoint_bytes(value)  # checked here; the API decodes it again to store it
-    return str(value)
-
-
-def _object_or_none(message: dict[str, Any], name: str) -> dict[str, Any] | None:
-    value = message.get(name)
-    if value is not None and not isinstance(value, dict):
-        raise MessageError(f"{name} must be an object or null")
-    return value
-
-
-class Message:
-    """A message of the worker socket: `type` on the wire, the fields of its dataclass beside it."""
-
-    type: ClassVar[str]
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"type": self.type, **self.__dict__}
-
-
 # --- worker -> API ---------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class ModelEntry:
-    """A model a worker serves, in its hello (and its rung_changed): realtime only on rung full."""
-
-    model_id: str
-    rung: str
-    realtime: bool = False
-    frame_ms_p95: float | None = None
-    realtime_slots: int = 0
-
-    def to_wire(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
-    @classmethod
-    def parse(cls, entry: Any) -> ModelEntry:
-        if not isinstance(entry, dict):
-            raise MessageError("each entry of models must be an object")
-        rung = entry.get("rung")
-        if rung not in RUNGS:
-            raise MessageError(f"rung must be one of {', '.join(RUNGS)}")
-        realtime = entry.get("realtime", False)
-        if not isinstance(realtime, bool):
-            raise MessageError("realtime must be a boolean")
-        slots = entry.get("realtime_slots", 0)
-        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 0:
-            raise MessageError("realtime_slots must be an integer of at least 0")
-        realtime = realtime and rung == RUNG_FULL
-        return cls(_str(entry, "model_id"), rung, realtime, _number_or_none(entry, "frame_ms_p95"),
-                   slots if realtime else 0)
-
 
 @dataclass(frozen=True)
 class Hello(Message):
@@ -269,7 +169,7 @@ WorkerMessage = (Hello | JobStarted | JobProgress | JobResult | JobFailed | JobP
 
 
 def _hello(message: dict[str, Any]) -> Hello:
-    gpu = _object_or_none(message, "gpu")
+    gpu = object_or_none(message, "gpu")
     models = message.get("models")
     if not isinstance(models, list) or len(models) > MAX_MODELS:
         raise MessageError("models must be a list")
@@ -282,8 +182,8 @@ def _hello(message: dict[str, Any]) -> Hello:
         held = message.get("jobs", [])
         if not isinstance(held, list) or len(held) > MAX_HELD_JOBS:
             raise MessageError(f"jobs must be a list of at most {MAX_HELD_JOBS} job ids")
-        jobs = tuple(dict.fromkeys(_uuid({"job_id": job_id}, "job_id") for job_id in held))
-    return Hello(_str(message, "worker_id"), gpu, entries, protocol, jobs)
+        jobs = tuple(dict.fromkeys(uuid_field({"job_id": job_id}, "job_id") for job_id in held))
+    return Hello(string_field(message, "worker_id"), gpu, entries, protocol, jobs)
 
 
 def _protocol(message: dict[str, Any]) -> int:
@@ -302,33 +202,33 @@ def _job_result(message: dict[str, Any]) -> JobResult:
     rung = message.get("rung", "")
     if not isinstance(rung, str):
         raise MessageError("rung must be a string")
-    return JobResult(_uuid(message, "job_id"), images, _number_or_none(message, "gpu_ms"), rung)
+    return JobResult(uuid_field(message, "job_id"), images, number_or_none(message, "gpu_ms"), rung)
 
 
 def _job_failed(message: dict[str, Any]) -> JobFailed:
     error = message.get("error")
     if not isinstance(error, str):
         raise MessageError("error must be a string")
-    return JobFailed(_uuid(message, "job_id"), error or "failed")
+    return JobFailed(uuid_field(message, "job_id"), error or "failed")
 
 
 def _job_preempted(message: dict[str, Any]) -> JobPreempted:
-    step, steps = _steps(message)
-    return JobPreempted(_uuid(message, "job_id"), step, steps, _checkpoint(message, nullable=True))
+    step, steps = step_fields(message)
+    return JobPreempted(uuid_field(message, "job_id"), step, steps, checkpoint_field(message, nullable=True))
 
 
 def _job_checkpoint(message: dict[str, Any]) -> JobCheckpoint:
-    step, steps = _steps(message)
-    checkpoint = _checkpoint(message, nullable=False)
+    step, steps = step_fields(message)
+    checkpoint = checkpoint_field(message, nullable=False)
     assert checkpoint is not None
-    return JobCheckpoint(_uuid(message, "job_id"), step, steps, checkpoint)
+    return JobCheckpoint(uuid_field(message, "job_id"), step, steps, checkpoint)
 
 
 def _session_refused(message: dict[str, Any]) -> SessionRefused:
     reason = message.get("reason", "")
     if not isinstance(reason, str):
         raise MessageError("reason must be a string")
-    return SessionRefused(_uuid(message, "session_id"), reason[:REASON_CHARS])
+    return SessionRefused(uuid_field(message, "session_id"), reason[:REASON_CHARS])
 
 
 def _frame_result(message: dict[str, Any]) -> FrameResult:
@@ -337,25 +237,25 @@ def _frame_result(message: dict[str, Any]) -> FrameResult:
         raise MessageError("image must be a base64 string")
     batch = message.get("batch_size", 1)
     batch = batch if isinstance(batch, int) and not isinstance(batch, bool) and batch >= 1 else 1
-    return FrameResult(_uuid(message, "session_id"), _int(message, "seq"), image,
-                       _number_or_none(message, "gpu_ms"), batch)
+    return FrameResult(uuid_field(message, "session_id"), int_field(message, "seq"), image,
+                       number_or_none(message, "gpu_ms"), batch)
 
 
 _WORKER_PARSERS: dict[str, Callable[[dict[str, Any]], WorkerMessage]] = {
     "hello": _hello,
-    "job_started": lambda m: JobStarted(_uuid(m, "job_id")),
-    "job_progress": lambda m: JobProgress(_uuid(m, "job_id"), _int(m, "step"), _int(m, "steps")),
+    "job_started": lambda m: JobStarted(uuid_field(m, "job_id")),
+    "job_progress": lambda m: JobProgress(uuid_field(m, "job_id"), int_field(m, "step"), int_field(m, "steps")),
     "job_result": _job_result,
     "job_failed": _job_failed,
     "job_preempted": _job_preempted,
     "job_checkpoint": _job_checkpoint,
     "rung_changed": lambda m: RungChanged(ModelEntry.parse(m)),
-    "session_accepted": lambda m: SessionAccepted(_uuid(m, "session_id")),
+    "session_accepted": lambda m: SessionAccepted(uuid_field(m, "session_id")),
     "session_refused": _session_refused,
     "frame_result": _frame_result,
     "heartbeat": lambda m: Heartbeat(),
     "draining": lambda m: Draining(),
-    "session_ended": lambda m: SessionEnded(_uuid(m, "session_id")),
+    "session_ended": lambda m: SessionEnded(uuid_field(m, "session_id")),
 }
 
 
@@ -484,7 +384,7 @@ ApiMessage = Welcome | JobOrder | Cancel | Preempt | SessionStart | SessionEnd |
 
 def _id(message: dict[str, Any], name: str) -> str:
     """An id the worker echoes as received: any non-empty string."""
-    return _str(message, name, max_length=200)
+    return string_field(message, name, max_length=200)
 
 
 def _attempt(message: dict[str, Any]) -> int:
