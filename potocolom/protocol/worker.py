@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from potocolom.protocol.entries import InstalledEntry as InstalledEntry
 from potocolom.protocol.entries import ModelEntry as ModelEntry
 from potocolom.protocol.errors import MessageError
 from potocolom.protocol.fields import MAX_CHECKPOINT_CHARS as MAX_CHECKPOINT_CHARS
@@ -22,6 +23,7 @@ from potocolom.protocol.fields import (
     uuid_field,
 )
 from potocolom.protocol.fields import checkpoint_bytes as checkpoint_bytes
+from potocolom.protocol.rungs import RUNGS
 
 MAX_MODELS = 1000  # model entries in one hello
 MAX_HELD_JOBS = 1000  # job ids in a v2 hello's `jobs`
@@ -35,7 +37,9 @@ REASON_CHARS = 500  # session_refused.reason is a short message
 @dataclass(frozen=True)
 class Hello(Message):
     """The worker's first message. `protocol` 2 (v2) adds `jobs`: the job ids it holds (running,
-    waiting, or ended with a final message not yet acknowledged); a v1 hello says neither."""
+    waiting, or ended with a final message not yet acknowledged), and `installed`: every model it
+    could load (None: a v2 worker that does not say, which the API takes as its loaded models only);
+    a v1 hello says neither."""
 
     type = "hello"
     worker_id: str
@@ -43,12 +47,15 @@ class Hello(Message):
     models: tuple[ModelEntry, ...]
     protocol: int = PROTOCOL_V1
     jobs: tuple[str, ...] = ()
+    installed: tuple[InstalledEntry, ...] | None = None
 
     def to_wire(self) -> dict[str, Any]:
         wire: dict[str, Any] = {"type": self.type, "worker_id": self.worker_id, "gpu": self.gpu,
                                 "models": [m.to_wire() for m in self.models]}
         if self.protocol >= PROTOCOL_V2:
             wire.update(protocol=self.protocol, jobs=list(self.jobs))
+            if self.installed is not None:
+                wire["installed"] = [entry.to_wire() for entry in self.installed]
         return wire
 
 
@@ -163,9 +170,42 @@ class SessionEnded(Message):
     session_id: str
 
 
+@dataclass(frozen=True)
+class ModelLoaded(Message):
+    """v2: the answer to load_model: the model's entry as in a hello, and the worker's `gpu` now
+    (the API plans with its free memory from then on)."""
+
+    type = "model_loaded"
+    entry: ModelEntry
+    gpu: dict[str, Any] | None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"type": self.type, **self.entry.to_wire(), "gpu": self.gpu}
+
+
+@dataclass(frozen=True)
+class ModelLoadFailed(Message):
+    """v2: a load_model that did not load (not installed, out of memory, unreadable): why, and the
+    worker's `gpu` now."""
+
+    type = "model_load_failed"
+    model_id: str
+    error: str
+    gpu: dict[str, Any] | None
+
+
+@dataclass(frozen=True)
+class ModelUnloaded(Message):
+    """v2: the answer to unload_model: the model is freed, and the worker's `gpu` now."""
+
+    type = "model_unloaded"
+    model_id: str
+    gpu: dict[str, Any] | None
+
+
 WorkerMessage = (Hello | JobStarted | JobProgress | JobResult | JobFailed | JobPreempted | JobCheckpoint
                  | RungChanged | SessionAccepted | SessionRefused | FrameResult | Heartbeat | Draining
-                 | SessionEnded)
+                 | SessionEnded | ModelLoaded | ModelLoadFailed | ModelUnloaded)
 
 
 def _hello(message: dict[str, Any]) -> Hello:
@@ -183,7 +223,28 @@ def _hello(message: dict[str, Any]) -> Hello:
         if not isinstance(held, list) or len(held) > MAX_HELD_JOBS:
             raise MessageError(f"jobs must be a list of at most {MAX_HELD_JOBS} job ids")
         jobs = tuple(dict.fromkeys(uuid_field({"job_id": job_id}, "job_id") for job_id in held))
-    return Hello(string_field(message, "worker_id"), gpu, entries, protocol, jobs)
+    return Hello(string_field(message, "worker_id"), gpu, entries, protocol, jobs,
+                 _installed(message) if protocol >= PROTOCOL_V2 else None)
+
+
+def _installed(message: dict[str, Any]) -> tuple[InstalledEntry, ...] | None:
+    """A v2 hello's `installed` (None when it has none); each model once."""
+    if message.get("installed") is None:
+        return None
+    installed = message["installed"]
+    if not isinstance(installed, list) or len(installed) > MAX_MODELS:
+        raise MessageError(f"installed must be a list of at most {MAX_MODELS} entries")
+    entries = tuple(InstalledEntry.parse(entry) for entry in installed)
+    if len({entry.model_id for entry in entries}) != len(entries):
+        raise MessageError("a model_id appears twice in installed")
+    return entries
+
+
+def _error_text(message: dict[str, Any]) -> str:
+    error = message.get("error")
+    if not isinstance(error, str):
+        raise MessageError("error must be a string")
+    return error[:REASON_CHARS]
 
 
 def _protocol(message: dict[str, Any]) -> int:
@@ -254,6 +315,10 @@ _WORKER_PARSERS: dict[str, Callable[[dict[str, Any]], WorkerMessage]] = {
     "session_refused": _session_refused,
     "frame_result": _frame_result,
     "heartbeat": lambda m: Heartbeat(),
+    "model_loaded": lambda m: ModelLoaded(ModelEntry.parse(m), object_or_none(m, "gpu")),
+    "model_load_failed": lambda m: ModelLoadFailed(string_field(m, "model_id"), _error_text(m),
+                                                   object_or_none(m, "gpu")),
+    "model_unloaded": lambda m: ModelUnloaded(string_field(m, "model_id"), object_or_none(m, "gpu")),
     "draining": lambda m: Draining(),
     "session_ended": lambda m: SessionEnded(uuid_field(m, "session_id")),
 }
@@ -379,12 +444,45 @@ class FrameOrder(Message):
     params: dict[str, Any] = field(default_factory=dict)
 
 
-ApiMessage = Welcome | JobOrder | Cancel | Preempt | SessionStart | SessionEnd | FrameOrder | JobAck
+@dataclass(frozen=True)
+class LoadModel(Message):
+    """v2: load an installed model, on `rung` (None: the highest that fits); answered by
+    model_loaded or model_load_failed."""
+
+    type = "load_model"
+    model_id: str
+    rung: str | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        wire: dict[str, Any] = {"type": self.type, "model_id": self.model_id}
+        if self.rung is not None:
+            wire["rung"] = self.rung
+        return wire
+
+
+@dataclass(frozen=True)
+class UnloadModel(Message):
+    """v2: free a loaded model (the API asks only when the worker holds no job of it and no live
+    session on it); answered by model_unloaded."""
+
+    type = "unload_model"
+    model_id: str
+
+
+ApiMessage = (Welcome | JobOrder | Cancel | Preempt | SessionStart | SessionEnd | FrameOrder | JobAck | LoadModel
+              | UnloadModel)
 
 
 def _id(message: dict[str, Any], name: str) -> str:
     """An id the worker echoes as received: any non-empty string."""
     return string_field(message, name, max_length=200)
+
+
+def _rung_or_none(message: dict[str, Any]) -> str | None:
+    rung = message.get("rung")
+    if rung is not None and rung not in RUNGS:
+        raise MessageError(f"rung must be one of {', '.join(RUNGS)}, or left out")
+    return rung  # type: ignore[no-any-return]
 
 
 def _attempt(message: dict[str, Any]) -> int:
@@ -454,6 +552,8 @@ _API_PARSERS: dict[str, Callable[[dict[str, Any]], ApiMessage]] = {
     "session_end": lambda m: SessionEnd(_id(m, "session_id")),
     "frame": _frame_order,
     "job_ack": lambda m: JobAck(_id(m, "job_id")),
+    "load_model": lambda m: LoadModel(_id(m, "model_id"), _rung_or_none(m)),
+    "unload_model": lambda m: UnloadModel(_id(m, "model_id")),
 }
 
 
