@@ -127,6 +127,8 @@ LOGIN_FAILURE_LIMIT = envint("LOGIN_FAILURE_LIMIT", 10, minimum=1)
 LOGIN_FAILURE_SECONDS = 15 * 60  # the window the failures are counted in, and the lockout after them
 # PostgreSQL's connect, statement and lock timeouts, and Redis's (0: none): waiting longer answers 503.
 DATABASE_TIMEOUT_SECONDS = envint("DATABASE_TIMEOUT_SECONDS", 5, minimum=0)
+# GET /metrics also answers `Authorization: Bearer <METRICS_TOKEN>` (a scraper); empty: staff only.
+METRICS_TOKEN = envstr("METRICS_TOKEN", "") or ""
 
 INSTALLED_APPS = [
     "daphne",

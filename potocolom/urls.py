@@ -1,4 +1,4 @@
-"""URLs: the REST API under /api/v1/, the admin, Django auth, and the drawing page."""
+"""URLs: the REST API under /api/v1/, /metrics, the admin, Django auth, and the drawing page."""
 from __future__ import annotations
 
 from django.contrib import admin
@@ -17,6 +17,7 @@ from realtime.api import UsageView
 from realtime.views import drawing_page
 from scheduling.api import JobViewSet
 from workers.api import QueuesView
+from workers.metrics import MetricsView
 
 router = SimpleRouter(trailing_slash=True)
 router.register("jobs", JobViewSet, basename="job")
@@ -39,6 +40,7 @@ urlpatterns = [
     path("api/v1/queues/", QueuesView.as_view(), name="queues"),
     path("api/v1/usage/", UsageView.as_view(), name="usage"),
     path("api/v1/schema/", SpectacularAPIView.as_view(permission_classes=[AllowAny]), name="schema"),
+    path("metrics", MetricsView.as_view(), name="metrics"),
     path("admin/", admin.site.urls),
     path("accounts/", include("django.contrib.auth.urls")),
 ]

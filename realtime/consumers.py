@@ -5,13 +5,14 @@ import asyncio
 import json
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs
 
 from channels.db import database_sync_to_async
 from django.conf import settings
 from django.utils import timezone
 
+from potocolom import metrics
 from potocolom.protocol import close_codes
 from potocolom.protocol.browser import Error, Frame, image_data_url, parse_browser_message
 from potocolom.protocol.errors import MessageError
@@ -24,6 +25,9 @@ from realtime import services
 from realtime.errors import NotAuthenticated, SessionError
 from realtime.frames import FrameGate
 from realtime.sweeper import sweeper_hold, sweeper_release
+
+if TYPE_CHECKING:
+    from prometheus_client import Histogram
 
 log = logging.getLogger(__name__)
 RECEIVED_KEPT = 256  # receive times remembered for `ms` (frames still in flight)
@@ -40,6 +44,7 @@ class SessionConsumer(RelayConsumer):
     session_id: str | None = None
     idle_watch: asyncio.Task | None = None
     due_timer: asyncio.TimerHandle | None = None
+    frame_seconds: Histogram  # its model's potocolom_frame_seconds, once the session is joined
 
     async def connect(self) -> None:
         """Accept, then join the session or close with the code that says why not."""
@@ -61,6 +66,7 @@ class SessionConsumer(RelayConsumer):
             # A close reason is at most 123 bytes.
             await self.close(code=close_code_of(exc), reason=str(exc.detail).encode()[:120].decode(errors="ignore"))
             return
+        self.frame_seconds = metrics.frame_seconds_of(session.model_id)
         self.session_id = str(session.id)
         sweeper_hold()
 
@@ -166,7 +172,11 @@ class SessionConsumer(RelayConsumer):
         arrived = self.received.pop(seq, None)
         for older in [s for s in self.received if s < seq]:
             del self.received[older]
-        ms = round((time.monotonic() - arrived) * 1000, 3) if arrived is not None else None
+        ms = None
+        if arrived is not None:
+            elapsed = time.monotonic() - arrived
+            self.frame_seconds.observe(elapsed)
+            ms = round(elapsed * 1000, 3)
         await self.send_json(Frame(seq, image_data_url(event["image"]), ms).to_wire())
 
     async def session_end(self, event: dict[str, Any]) -> None:

@@ -6,9 +6,10 @@ from datetime import datetime
 from typing import Any
 
 from django.contrib.auth.models import User
+from django.db.models import Count
 
 from realtime.admission import admission
-from realtime.models import UsageRecord
+from realtime.models import HOLDING_STATES, RealtimeSession, SessionState, UsageRecord
 from realtime.policy import SlotKey
 
 
@@ -36,3 +37,21 @@ def queue_positions() -> dict[str, int]:
 def slots_free() -> dict[SlotKey, int]:
     """Free slots per (worker, model) (operators)."""
     return admission().free()
+
+
+def sessions_per_state() -> dict[str, int]:
+    """How many session rows each state has, every state named (0 when none): one grouped query."""
+    counts = dict.fromkeys(SessionState.values, 0)
+    counts.update(RealtimeSession.objects.order_by().values_list("state").annotate(n=Count("id")))
+    return counts
+
+
+def slots_per_model() -> dict[str, tuple[int, int]]:
+    """Free and used realtime slots per model, over every connected worker: free as admission
+    counts it, used = the sessions placing or live on the model (one grouped query)."""
+    free: dict[str, int] = defaultdict(int)
+    for (_, model_id), count in slots_free().items():
+        free[model_id] += count
+    used = dict(RealtimeSession.objects.filter(state__in=HOLDING_STATES).order_by().values_list("model_id")
+                .annotate(n=Count("id")))
+    return {model_id: (free.get(model_id, 0), used.get(model_id, 0)) for model_id in sorted(free.keys() | used.keys())}

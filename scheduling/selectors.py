@@ -5,7 +5,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from django.contrib.auth.models import User
-from django.db.models import QuerySet
+from django.db.models import Count, QuerySet
 
 from scheduling.dispatcher import dispatcher
 from scheduling.models import Job, JobState
@@ -42,3 +42,9 @@ def queue_snapshot() -> tuple[list[dict[str, Any]], dict[str, list[str]]]:
     counts = current.queues.counts()
     return ([{"model_id": model_id, "queued": count} for model_id, count in sorted(counts.items())],
             current.held())
+
+
+def jobs_per_model_and_state() -> dict[tuple[str, str], int]:
+    """How many job rows each (model, state) has: one grouped query (GET /metrics)."""
+    rows = Job.objects.order_by().values_list("model_id", "state").annotate(n=Count("id"))
+    return {(model_id, state): n for model_id, state, n in rows}

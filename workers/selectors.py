@@ -73,6 +73,12 @@ def connected_workers(*, seconds: float, now: datetime) -> list[WorkerSocket]:
             for worker_id, channel, served, draining in rows]
 
 
+def connected_count(*, seconds: float, now: datetime) -> int:
+    """How many workers are connected to any API process and were seen within `seconds` (one count)."""
+    cutoff = silence_cutoff(seconds=seconds, now=now)
+    return Worker.objects.filter(connected=True, last_seen__gte=cutoff).exclude(channel_name="").count()
+
+
 def channel_of(worker_id: str | None) -> str | None:
     """The channel of the worker's socket, on whichever API process holds it."""
     if not worker_id:

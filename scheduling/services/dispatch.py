@@ -15,6 +15,7 @@ from typing import Any
 from django.db import connection
 from django.utils.crypto import salted_hmac
 
+from potocolom import metrics
 from potocolom.protocol.worker import MAX_CHECKPOINT_CHARS, PROTOCOL_V2, JobOrder, Preempt, Resume
 from potocolom.transport import relay
 from potocolom.transport.notify import to_socket_after_commit
@@ -108,6 +109,8 @@ def jobs_dispatch(*, now: datetime) -> list[Assignment]:
         claimed = _claim(job_id=job.job_id, worker_id=assignment.worker_id, turn_us=job.turn_us, now=now)
         if claimed is None:
             return False
+        # from its submission (a job dispatched again after a preemption counts from it too)
+        metrics.job_dispatched(wait_seconds=(to_microseconds(now) - job.submitted_us) / 1e6)
         worker = current.workers.get(assignment.worker_id)  # plan() holds the dispatcher's lock
         if worker is not None:
             orders.append((worker.channel_name, worker.protocol, job, claimed))

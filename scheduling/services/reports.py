@@ -15,6 +15,7 @@ from django.core.files.storage import default_storage
 from django.db.models import F, Value
 from django.db.models.functions import Coalesce
 
+from potocolom import metrics
 from scheduling.checkpoints import checkpoint_discard, checkpoint_save
 from scheduling.dispatcher import dispatcher
 from scheduling.models import HELD_STATES, Job, JobState
@@ -173,6 +174,9 @@ def job_preempted(*, worker_id: str, job_id: str, step: int, steps: int, checkpo
     checkpoint_discard(job.checkpoint if stored else "", keep=stored)
     log.info("job %s preempted on %s at step %d of %d: now %s", job_id, worker_id, step, steps, back.value)
     current = dispatcher()
+    holder = current.workers.get(worker_id)
+    metrics.job_preempted(reason="pause" if back == JobState.PAUSED
+                          else "drain" if holder is not None and holder.draining else "priority")
     current.release(job_id, worker_id=worker_id)
     if back == JobState.QUEUED:
         current.push(queued_job(job))
