@@ -1,0 +1,503 @@
+"""Placement across machines, replayed: a bursty trace of jobs and sessions on a fleet of GPU workers
+(a discrete-event model: loads, unloads, job steps, session slots), placed by the real planner
+(workers/placement.py) and by two baselines in the same run, on the same trace:
+
+- static: v1, each worker preloads what fits (its own rotation of the model list, each model on
+  the highest rung that fits) and never changes;
+- lru: load-on-miss with LRU eviction (ModelMesh-style): a job or session for a model no worker
+  holds loads it on the least loaded worker that has it installed, evicting that worker's least
+  recently used models (never one running a job or session) until it fits; one copy per model.
+
+Every policy starts from the static placement. The trace: models whose popularity (Zipf) is
+reshuffled every --phase seconds, spikes (one model at one copy's capacity for two minutes),
+and realtime sessions. Per policy: SLO attainment (a job within 3x its standalone time on rung full,
+a session live within 10 s), loads per hour, GPU busy share; then the goal line: the planner at
+>= 99 % attainment with at least 1.5x fewer violations than lru and no more loads than it.
+
+    .venv/bin/python bench/placement.py [--seed 1] [--workers 8] [--models 12] [--duration 3600]
+"""
+from __future__ import annotations
+
+import argparse
+import heapq
+import itertools
+import random
+import sys
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from potocolom.protocol.rungs import RUNG_FULL, RUNGS  # noqa: E402
+from workers.placement import (  # noqa: E402
+    LOAD,
+    UNLOAD,
+    InstalledModel,
+    LoadedModel,
+    ModelDemand,
+    PendingLoad,
+    PlacementAction,
+    PlacementSettings,
+    WorkerState,
+    plan_placement,
+)
+
+# --- the figures the model runs on ---------------------------------------------------------
+# Memory per rung (MiB) and step time on full. SD-1.5 class: the ladder's estimates and the step
+# measured on an H200 at 512x512 (docs/design/memory-ladder.md: 2,731 / 1,885 / 1,420 MiB, 0.027 s
+# a step, rounded up to 30 ms). SDXL (1024x1024) and SD3-medium classes are not measured here: the
+# needs scale SD-1.5's by their weights (SDXL ~6.9 GB fp16, SD3 without T5 ~ 8 GB) and the steps
+# sit in the 30-120 ms range such models take on one data-centre GPU.
+FAMILIES = {  # family: (needs full, model_offload, group_offload MiB; step ms; default steps; session slots)
+    "sd15": ((2_731, 1_885, 1_420), 30.0, 25, 8),  # 8 slots within 500 ms: measured on an H200 (operations.md)
+    "sdxl": ((9_800, 5_600, 3_400), 75.0, 30, 2),
+    "sd3": ((12_000, 6_500, 4_000), 110.0, 28, 1),
+}
+MODEL_FAMILIES = ("sd15", "sdxl", "sd15", "sd3", "sdxl", "sd15", "sdxl", "sd3", "sd15", "sdxl", "sdxl", "sd3")
+# A load reads safetensors from local NVMe and copies them to the device: ~1 s of fixed cost
+# (pipeline construction) plus ~1.5 GB/s, so SD-1.5 takes ~2.8 s and SDXL ~7.5 s. (Re-placing an
+# SD-1.5-sized model already in RAM took 0.7 s on the H200: the disk read is the larger part.)
+LOAD_FIXED_SECONDS = 1.0
+LOAD_MIB_PER_SECOND = 1_500.0
+UNLOAD_SECONDS = 0.3
+LOAD_FAILURE_RATE = 0.01  # a load fails now and then (a bad file, a transient OOM): exercises the back-off
+# A job on a rung: steps x step x factor + fixed. From the H200 table, 10 steps: full 0.32 s,
+# model_offload 1.10 s (same step, ~0.8 s moving modules per call), group_offload 1.22 s (3.7x a step).
+RUNG_COST = {"full": (1.0, 0.05), "model_offload": (1.0, 0.8), "group_offload": (3.7, 0.1)}
+SESSION_SLOWDOWN = 0.15  # each live session's frames take this share of its worker's steps from jobs
+SESSION_GPU_SHARE = 0.15  # ... and count as that much GPU busy time
+SESSION_MEAN_SECONDS = 120.0
+SESSION_GIVE_UP_SECONDS = 60.0  # a browser waiting longer leaves (a violation either way)
+JOB_SLO_FACTOR = 3.0
+SESSION_SLO_SECONDS = 10.0
+WORKER_VRAM_MIB = 16_384
+DRAIN_SECONDS = 900.0  # after the trace ends, time for queued work to finish; what is left is a violation
+PLACEMENT_SECONDS = 10.0
+SPIKE_LOAD = 1.0  # a spike's extra jobs keep one copy on rung full busy all the time (its jobs back to back)
+SPIKE_SECONDS = 120.0
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    model_id: str
+    needs_mib: Mapping[str, int] = field(hash=False)
+    step_ms: float
+    steps: int
+    slots: int
+
+    @property
+    def load_seconds(self) -> float:
+        return LOAD_FIXED_SECONDS + self.needs_mib["full"] / LOAD_MIB_PER_SECOND
+
+    def seconds(self, rung: str) -> float:
+        factor, fixed = RUNG_COST[rung]
+        return self.steps * self.step_ms / 1000 * factor + fixed
+
+
+def model_specs(n: int) -> list[ModelSpec]:
+    out = []
+    for i in range(n):
+        family = MODEL_FAMILIES[i % len(MODEL_FAMILIES)]
+        needs, step_ms, steps, slots = FAMILIES[family]
+        out.append(ModelSpec(f"{family}-{i:02d}", dict(zip(RUNGS, needs, strict=True)), step_ms, steps, slots))
+    return out
+
+
+# --- the baselines, pure --------------------------------------------------------------------
+
+def static_preload(order: Sequence[InstalledModel], vram_mib: int | None) -> list[tuple[str, str]]:
+    """v1: the worker loads its installed models in order, each on the highest rung that fits what
+    is left, and keeps them (a model that fits on no rung is not served there)."""
+    left = float("inf") if vram_mib is None else float(vram_mib)
+    placed = []
+    for m in order:
+        rung = next((r for r in RUNGS if r in m.needs_mib and m.needs_mib[r] <= left), None)
+        if rung is not None:
+            left -= m.needs_mib[rung]
+            placed.append((m.model_id, rung))
+    return placed
+
+
+def lru_on_miss(model_id: str, workers: Sequence[WorkerState], *, session: bool,
+                load_of: Mapping[str, int]) -> list[PlacementAction]:
+    """ModelMesh-style load on a miss: the least loaded worker (fewest jobs and sessions held, then
+    most free memory, then worker_id) that has `model_id` installed and can make room by evicting
+    its least recently used models that hold no job or session; rung full when it fits that way
+    (a session needs it), else the highest rung that does. No residency, no back-off, one copy."""
+    def free(w: WorkerState) -> float:
+        if w.free_mib is None:
+            return float("inf")
+        needs = {m.model_id: m.needs_mib for m in w.installed}
+        return w.free_mib - sum(needs[p.model_id][p.rung] for p in w.loading)
+
+    for w in sorted(workers, key=lambda w: (load_of.get(w.worker_id, 0), -free(w), w.worker_id)):
+        installed = next((m for m in w.installed if m.model_id == model_id), None)
+        if installed is None or w.draining:
+            continue
+        spare = sorted((m for m in w.loaded if not m.busy and m.model_id not in w.unloading),
+                       key=lambda m: (m.last_used, m.model_id))
+        for rung in (RUNG_FULL,) if session else RUNGS:
+            if rung not in installed.needs_mib:
+                continue
+            short, evict = installed.needs_mib[rung] - free(w), []
+            for m in spare:
+                if short <= 0:
+                    break
+                evict.append(m)
+                short -= m.held_mib
+            if short <= 0:
+                return [PlacementAction(UNLOAD, w.worker_id, m.model_id, None, "lru: evict") for m in evict] + [
+                    PlacementAction(LOAD, w.worker_id, model_id, rung, "lru: miss")]
+    return []
+
+
+# --- the trace ------------------------------------------------------------------------------
+
+@dataclass
+class Job:
+    model_id: str
+    steps: int
+    submitted: float
+    budget: float  # JOB_SLO_FACTOR x its standalone time on rung full
+    finished: float | None = None
+
+
+@dataclass
+class Session:
+    model_id: str
+    joined: float
+    seconds: float
+    live_at: float | None = None
+    gone: bool = False
+
+
+def trace(rng: random.Random, specs: Sequence[ModelSpec], *, duration: float, job_rate: float, phase: float,
+          session_rate: float, spike_every: float) -> list[tuple[float, Job | Session]]:
+    """Arrivals: Poisson jobs over a Zipf popularity reshuffled every `phase` s, spikes of one model
+    (SPIKE_LOAD x one copy's capacity for SPIKE_SECONDS, one every `spike_every` s on average),
+    Poisson sessions."""
+    out: list[tuple[float, Job | Session]] = []
+    weights: list[float] = []
+    t, next_phase = 0.0, 0.0
+    while True:
+        t += rng.expovariate(job_rate)
+        if t >= duration:
+            break
+        while t >= next_phase:
+            ranks = list(range(len(specs)))
+            rng.shuffle(ranks)
+            weights = [1.0 / (r + 1) ** 1.1 for r in ranks]
+            next_phase += phase
+        spec = rng.choices(specs, weights)[0]
+        out.append((t, Job(spec.model_id, spec.steps, t, JOB_SLO_FACTOR * spec.seconds(RUNG_FULL))))
+        if rng.random() < session_rate / job_rate:
+            spec = rng.choices(specs, weights)[0]
+            out.append((t, Session(spec.model_id, t, rng.expovariate(1 / SESSION_MEAN_SECONDS))))
+    t = rng.expovariate(1 / spike_every) if spike_every > 0 else duration
+    while t < duration:
+        spec = rng.choice(specs)
+        rate, s = SPIKE_LOAD / spec.seconds(RUNG_FULL), t
+        while (s := s + rng.expovariate(rate)) < min(t + SPIKE_SECONDS, duration):
+            out.append((s, Job(spec.model_id, spec.steps, s, JOB_SLO_FACTOR * spec.seconds(RUNG_FULL))))
+        t += rng.expovariate(1 / spike_every)
+    return sorted(out, key=lambda e: e[0])
+
+
+# --- the fleet --------------------------------------------------------------------------------
+
+@dataclass
+class Copy:
+    rung: str
+    held_mib: int
+    last_used: float
+    loaded_at: float | None  # by the API's load; None: preloaded
+    unloading: bool = False
+
+
+@dataclass
+class SimWorker:
+    worker_id: str
+    vram_mib: int
+    copies: dict[str, Copy] = field(default_factory=dict)
+    inbox: deque[PlacementAction] = field(default_factory=deque)
+    loader: PlacementAction | None = None  # the load or unload under way
+    job: Job | None = None
+    live: Counter[str] = field(default_factory=Counter)  # model_id -> live sessions
+    failed_loads: dict[str, float] = field(default_factory=dict)
+
+    def free_mib(self) -> int:
+        return self.vram_mib - sum(c.held_mib for c in self.copies.values())
+
+    def ready(self, model_id: str) -> bool:
+        c = self.copies.get(model_id)
+        return c is not None and not c.unloading
+
+
+class Fleet:
+    """The discrete-event model: per model a FIFO of queued jobs and waiting sessions; per worker one
+    job at a time (the oldest queued of its loaded models), its session slots on rung full, and a
+    loader doing its loads and unloads one at a time, in the order sent, beside the jobs."""
+
+    def __init__(self, specs: Sequence[ModelSpec], n_workers: int, vram_mib: int, rng: random.Random) -> None:
+        self.specs = {s.model_id: s for s in specs}
+        self.installed = tuple(InstalledModel(s.model_id, s.needs_mib, s.step_ms) for s in specs)
+        self.rng = rng
+        self.now = 0.0
+        self.events: list[tuple[float, int, str, object]] = []
+        self.seq = itertools.count()
+        self.queued: dict[str, deque[Job]] = {s.model_id: deque() for s in specs}
+        self.waiting: dict[str, deque[Session]] = {s.model_id: deque() for s in specs}
+        self.workers = [SimWorker(f"w{i:02d}", vram_mib) for i in range(n_workers)]
+        self.loads = 0
+        self.failed = 0
+        self.busy_seconds = 0.0
+        for i, w in enumerate(self.workers):
+            start = i * len(specs) // n_workers
+            order = self.installed[start:] + self.installed[:start]
+            for model_id, rung in static_preload(order, vram_mib):
+                w.copies[model_id] = Copy(rung, self.specs[model_id].needs_mib[rung], 0.0, None)
+
+    def at(self, t: float, kind: str, what: object) -> None:
+        heapq.heappush(self.events, (t, next(self.seq), kind, what))
+
+    # what the planner sees
+    def demand(self) -> list[ModelDemand]:
+        return [ModelDemand(m, len(q), sum(j.steps for j in q), len(self.waiting[m]))
+                for m, q in self.queued.items() if q or self.waiting[m]]
+
+    def states(self) -> list[WorkerState]:
+        out = []
+        for w in self.workers:
+            pending = [a for a in ([w.loader] if w.loader else []) + list(w.inbox) if a.kind == LOAD]
+            loaded = [LoadedModel(m, c.rung, c.held_mib, (w.job is not None and w.job.model_id == m) or w.live[m] > 0,
+                                  self.now if w.live[m] else c.last_used, c.loaded_at) for m, c in w.copies.items()]
+            out.append(WorkerState(w.worker_id, self.installed, loaded, w.free_mib(),
+                                   [PendingLoad(a.model_id, a.rung or RUNG_FULL) for a in pending],
+                                   frozenset(m for m, c in w.copies.items() if c.unloading), dict(w.failed_loads)))
+        return out
+
+    def load_of(self) -> dict[str, int]:
+        return {w.worker_id: (w.job is not None) + sum(w.live.values()) for w in self.workers}
+
+    def has_copy(self, model_id: str, *, full: bool) -> bool:
+        return any(w.ready(model_id) and (not full or w.copies[model_id].rung == RUNG_FULL)
+                   or any(a.kind == LOAD and a.model_id == model_id and (not full or a.rung == RUNG_FULL)
+                          for a in ([w.loader] if w.loader else []) + list(w.inbox)) for w in self.workers)
+
+    # actions
+    def apply(self, actions: Sequence[PlacementAction]) -> None:
+        by_id = {w.worker_id: w for w in self.workers}
+        for a in actions:
+            w = by_id[a.worker_id]
+            if a.kind == UNLOAD:
+                w.copies[a.model_id].unloading = True  # takes no new work from now on
+            w.inbox.append(a)
+            self.next_on_loader(w)
+
+    def next_on_loader(self, w: SimWorker) -> None:
+        if w.loader is not None or not w.inbox:
+            return
+        a = w.loader = w.inbox.popleft()
+        if a.kind == UNLOAD:
+            self.at(self.now + UNLOAD_SECONDS, "loader", w)
+        else:
+            self.loads += 1
+            self.at(self.now + self.specs[a.model_id].load_seconds, "loader", w)
+
+    def loader_done(self, w: SimWorker) -> None:
+        a, w.loader = w.loader, None
+        assert a is not None
+        if a.kind == UNLOAD:
+            del w.copies[a.model_id]
+        else:
+            spec, rung = self.specs[a.model_id], a.rung or RUNG_FULL
+            if spec.needs_mib[rung] > w.free_mib() or self.rng.random() < LOAD_FAILURE_RATE:
+                self.failed += 1
+                w.failed_loads[a.model_id] = self.now
+            else:
+                w.copies[a.model_id] = Copy(rung, spec.needs_mib[rung], self.now, self.now)
+        self.next_on_loader(w)
+
+    # work
+    def dispatch(self) -> None:
+        for w in self.workers:
+            if w.job is None:
+                heads = [q[0] for m, q in self.queued.items() if q and w.ready(m)]
+                if heads:
+                    job = min(heads, key=lambda j: j.submitted)
+                    self.queued[job.model_id].popleft()
+                    spec, copy = self.specs[job.model_id], w.copies[job.model_id]
+                    seconds = spec.seconds(copy.rung) * (1 + SESSION_SLOWDOWN * sum(w.live.values()))
+                    w.job, copy.last_used = job, self.now
+                    self.busy_seconds += seconds
+                    self.at(self.now + seconds, "job_done", w)
+        for model_id, q in self.waiting.items():
+            while q:
+                free = [w for w in self.workers if w.ready(model_id) and w.copies[model_id].rung == RUNG_FULL
+                        and w.live[model_id] < self.specs[model_id].slots]
+                if not free:
+                    break
+                w, s = min(free, key=lambda w: (w.live[model_id], w.worker_id)), q.popleft()
+                s.live_at = self.now
+                w.live[model_id] += 1
+                self.busy_seconds += s.seconds * SESSION_GPU_SHARE
+                self.at(self.now + s.seconds, "session_end", (w, s))
+
+    def run(self, arrivals: Sequence[tuple[float, Job | Session]], policy: Policy, *, duration: float) -> None:
+        for t, arrival in arrivals:
+            self.at(t, "arrive", arrival)
+        self.at(PLACEMENT_SECONDS, "tick", None)
+        end = duration + DRAIN_SECONDS
+        while self.events:
+            self.now, _, kind, what = heapq.heappop(self.events)
+            if self.now > end:
+                break
+            if kind == "tick":
+                self.apply(policy.periodic(self))
+                if self.now < duration or any(self.queued.values()):
+                    self.at(self.now + PLACEMENT_SECONDS, "tick", None)
+            else:
+                self.handle(kind, what)
+                self.dispatch()
+                self.apply(policy.event(self))
+            self.dispatch()
+
+    def handle(self, kind: str, what: object) -> None:
+        if kind == "arrive" and isinstance(what, Job):
+            self.queued[what.model_id].append(what)
+        elif kind == "arrive" and isinstance(what, Session):
+            self.waiting[what.model_id].append(what)
+            self.at(self.now + SESSION_GIVE_UP_SECONDS, "give_up", what)
+        elif kind == "give_up" and isinstance(what, Session) and what.live_at is None and not what.gone:
+            what.gone = True
+            self.waiting[what.model_id].remove(what)
+        elif kind == "job_done" and isinstance(what, SimWorker):
+            assert what.job is not None
+            what.job.finished = self.now
+            what.copies[what.job.model_id].last_used = self.now
+            what.job = None
+        elif kind == "session_end" and isinstance(what, tuple):
+            w, s = what
+            w.live[s.model_id] -= 1
+            w.copies[s.model_id].last_used = self.now
+        elif kind == "loader" and isinstance(what, SimWorker):
+            self.loader_done(what)
+
+
+# --- the policies ----------------------------------------------------------------------------
+
+@dataclass
+class Policy:
+    name: str
+    event: Callable[[Fleet], list[PlacementAction]]
+    periodic: Callable[[Fleet], list[PlacementAction]]
+
+
+def planner(settings: PlacementSettings) -> Policy:
+    return Policy("planner",
+                  lambda f: plan_placement(f.demand(), f.states(), now=f.now, settings=settings),
+                  lambda f: plan_placement(f.demand(), f.states(), now=f.now, periodic=True, settings=settings))
+
+
+def lru_policy(f: Fleet) -> list[PlacementAction]:
+    actions: list[PlacementAction] = []
+    for model_id in f.specs:
+        for session, waiting in ((True, bool(f.waiting[model_id])), (False, bool(f.queued[model_id]))):
+            if waiting and not f.has_copy(model_id, full=session):
+                mine = lru_on_miss(model_id, f.states(), session=session, load_of=f.load_of())
+                f.apply(mine)
+                actions += mine
+    return []  # applied as planned, one miss at a time, so each sees the last one's evictions
+
+
+POLICIES = {
+    "static": lambda settings: Policy("static", lambda f: [], lambda f: []),
+    "lru": lambda settings: Policy("lru", lru_policy, lambda f: []),
+    "planner": planner,
+}
+
+
+@dataclass(frozen=True)
+class Result:
+    policy: str
+    jobs: int
+    job_violations: int
+    sessions: int
+    session_violations: int
+    loads: int
+    failed_loads: int
+    loads_per_hour: float
+    busy_share: float
+    wall_seconds: float
+
+    @property
+    def violations(self) -> int:
+        return self.job_violations + self.session_violations
+
+    @property
+    def attainment(self) -> float:
+        total = self.jobs + self.sessions
+        return 1.0 if total == 0 else 1 - self.violations / total
+
+
+def replay(name: str, args: argparse.Namespace, settings: PlacementSettings) -> Result:
+    rng = random.Random(args.seed)
+    specs = model_specs(args.models)
+    arrivals = trace(rng, specs, duration=args.duration, job_rate=args.job_rate, phase=args.phase,
+                     session_rate=args.session_rate, spike_every=args.spike_every)
+    fleet = Fleet(specs, args.workers, args.vram_mib, random.Random(args.seed + 1))
+    started = time.perf_counter()
+    fleet.run(arrivals, POLICIES[name](settings), duration=args.duration)
+    jobs = [a for _, a in arrivals if isinstance(a, Job)]
+    sessions = [a for _, a in arrivals if isinstance(a, Session)]
+    late = sum(1 for j in jobs if j.finished is None or j.finished - j.submitted > j.budget)
+    unseated = sum(1 for s in sessions if s.live_at is None or s.live_at - s.joined > SESSION_SLO_SECONDS)
+    return Result(name, len(jobs), late, len(sessions), unseated, fleet.loads, fleet.failed,
+                  fleet.loads / (args.duration / 3600), fleet.busy_seconds / (args.workers * max(fleet.now, 1.0)),
+                  time.perf_counter() - started)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--models", type=int, default=12)
+    parser.add_argument("--duration", type=float, default=3600.0, help="seconds of trace (simulated)")
+    parser.add_argument("--vram-mib", type=int, default=WORKER_VRAM_MIB, help="each worker's device memory")
+    parser.add_argument("--job-rate", type=float, default=0.5, help="jobs per second outside spikes")
+    parser.add_argument("--session-rate", type=float, default=1 / 30, help="sessions per second")
+    parser.add_argument("--spike-every", type=float, default=300.0, help="mean seconds between spikes (0: none)")
+    parser.add_argument("--phase", type=float, default=600.0, help="seconds between popularity reshuffles")
+    parser.add_argument("--target-wait", type=float, default=PlacementSettings().target_wait_seconds,
+                        help="the planner's PLACEMENT_TARGET_WAIT_SECONDS")
+    parser.add_argument("--also-target-wait", type=float, default=5.0,
+                        help="also replay the planner with this target wait, for information (0: not)")
+    args = parser.parse_args()
+    settings = PlacementSettings(target_wait_seconds=args.target_wait)
+
+    print(f"trace: seed {args.seed}, {args.workers} workers x {args.vram_mib:,} MiB, {args.models} models, "
+          f"{args.duration:,.0f} s (+ up to {DRAIN_SECONDS:,.0f} s to drain), jobs {args.job_rate:g}/s + spikes, "
+          f"sessions {args.session_rate:.3g}/s; planner target wait {settings.target_wait_seconds:g} s")
+    results = {name: replay(name, args, settings) for name in POLICIES}
+    if args.also_target_wait:  # for information: the same planner with a tighter target wait
+        also = replay("planner", args, PlacementSettings(target_wait_seconds=args.also_target_wait))
+        results["also"] = replace(also, policy=f"planner@{args.also_target_wait:g}s")
+    print(f"{'policy':<8} {'jobs':>6} {'late':>6} {'sessions':>8} {'late':>5} {'attainment':>10} "
+          f"{'loads':>6} {'failed':>6} {'loads/h':>8} {'gpu busy':>8} {'wall s':>7}")
+    for r in results.values():
+        print(f"{r.policy:<8} {r.jobs:>6} {r.job_violations:>6} {r.sessions:>8} {r.session_violations:>5} "
+              f"{r.attainment:>10.2%} {r.loads:>6} {r.failed_loads:>6} {r.loads_per_hour:>8.1f} "
+              f"{r.busy_share:>8.1%} {r.wall_seconds:>7.1f}")
+    p, lru = results["planner"], results["lru"]
+    fewer = float("inf") if p.violations == 0 else lru.violations / p.violations
+    ok = p.attainment >= 0.99 and fewer >= 1.5 and p.loads <= lru.loads
+    print(f"goal: planner attainment {p.attainment:.2%} (>= 99%), {fewer:.2f}x fewer violations than lru "
+          f"({p.violations} vs {lru.violations}; >= 1.5x), loads {p.loads} vs lru {lru.loads} (<=): "
+          f"{'PASS' if ok else 'MISS'}")
+
+
+if __name__ == "__main__":
+    main()

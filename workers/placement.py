@@ -1,0 +1,351 @@
+"""The placement planner (pure: no Django, no I/O, no torch, time passed in): from the demand per
+model and what each connected worker has installed, loaded and free, the load and unload actions
+that put models where the demand is. The rules are the protocol's "Placement across machines"."""
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from potocolom.protocol.rungs import RUNG_FULL, RUNGS
+
+LOAD: Literal["load"] = "load"
+UNLOAD: Literal["unload"] = "unload"
+
+
+@dataclass(frozen=True)
+class PlacementSettings:
+    """The API's placement settings, in seconds (the protocol's defaults)."""
+
+    target_wait_seconds: float = 30.0  # PLACEMENT_TARGET_WAIT_SECONDS: queued work per copy worth another copy
+    idle_seconds: float = 300.0  # PLACEMENT_IDLE_SECONDS: a copy unused this long may give way (periodic rule)
+    min_residency_seconds: float = 60.0  # PLACEMENT_MIN_RESIDENCY_SECONDS: an API-loaded model stays this long
+    failed_load_backoff_seconds: float = 60.0  # a worker whose load failed is not asked again for this long
+    default_step_ms: float = 100.0  # a model's step time until a worker has measured it (step_ms None)
+
+
+@dataclass(frozen=True)
+class ModelDemand:
+    """What waits for one model now: queued jobs (and their steps, summed) and sessions queued for
+    admission (not placing, not live)."""
+
+    model_id: str
+    queued_jobs: int = 0
+    queued_steps: int = 0
+    waiting_sessions: int = 0
+
+
+@dataclass(frozen=True)
+class InstalledModel:
+    """A model in a worker's models dir, as its hello's `installed` entry says.
+
+    needs_mib: the device memory each rung needs, keyed by rung name ("full", "model_offload",
+    "group_offload"); a rung left out is one the worker may not use. step_ms: one denoising step on
+    the full rung, None until measured.
+    """
+
+    model_id: str
+    needs_mib: Mapping[str, int] = field(hash=False)
+    step_ms: float | None = None
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model loaded on a worker.
+
+    busy: it holds a job or a live session there now (never unloaded). last_used: when it last
+    ran a job or a frame (or was loaded), seconds on the planner's clock. loaded_at: when the API's
+    `load_model` loaded it, None when the worker preloaded it (only the former has a minimum
+    residency).
+    """
+
+    model_id: str
+    rung: str
+    held_mib: int
+    busy: bool
+    last_used: float
+    loaded_at: float | None = None
+
+
+@dataclass(frozen=True)
+class PendingLoad:
+    """A `load_model` sent and not yet answered: its memory is spoken for, and it counts as a copy."""
+
+    model_id: str
+    rung: str
+
+
+@dataclass(frozen=True)
+class WorkerState:
+    """One connected worker as the API knows it.
+
+    free_mib: the free device memory its last message reported (before pending loads); None for a
+    worker with no GPU budget (no CUDA, no --vram-mib), which the planner treats as unlimited: every
+    model fits there on the full rung and nothing is unloaded to make room. unloading: models an
+    `unload_model` was sent for and not yet answered (no longer a copy; their memory is not free yet).
+    failed_loads: model_id -> when its last load on this worker failed. draining: takes no new work,
+    so it is given no load and its copies do not count.
+    """
+
+    worker_id: str
+    installed: Sequence[InstalledModel] = field(hash=False)
+    loaded: Sequence[LoadedModel] = field(default=(), hash=False)
+    free_mib: int | None = None
+    loading: Sequence[PendingLoad] = field(default=(), hash=False)
+    unloading: frozenset[str] = frozenset()
+    failed_loads: Mapping[str, float] = field(default_factory=dict, hash=False)
+    draining: bool = False
+
+
+@dataclass(frozen=True)
+class PlacementAction:
+    """One thing to ask a worker: `load_model` (with its rung) or `unload_model` (rung None), and
+    why, in words for the placement log."""
+
+    kind: Literal["load", "unload"]
+    worker_id: str
+    model_id: str
+    rung: str | None
+    reason: str
+
+
+@dataclass
+class _Worker:
+    """The planner's running view of one worker while it plans (memory and copies after the
+    actions planned so far)."""
+
+    state: WorkerState
+    available_mib: float  # free memory less pending and planned loads, plus planned unloads
+    installed: dict[str, InstalledModel]
+    loaded: dict[str, LoadedModel]  # still loaded and not being unloaded (planned unloads removed)
+    copies: dict[str, str]  # model_id -> rung: loaded or loading, not being unloaded
+    untouchable: set[str]  # models loaded or unloaded in this plan, or being unloaded: no second action
+
+
+def plan_placement(demand: Iterable[ModelDemand], workers: Iterable[WorkerState], *, now: float,
+                   periodic: bool = False, settings: PlacementSettings | None = None) -> list[PlacementAction]:
+    """The load and unload actions for this moment, in the order to send them (a load's unloads
+    come first, on the same worker: send the load once they are answered, or in order to a worker
+    that handles its messages in order). No action for a model means its work waits.
+
+    Every run (an event: a job or session queued, a load answered, a job or session ended):
+    rule 1, a model with waiting work and no copy on a worker that takes work (for waiting sessions:
+    no copy on rung full) is loaded at once on a worker that has it installed, after unloading that
+    worker's least recently used models that hold no job or session if its memory is short.
+    With `periodic=True` (every PLACEMENT_SECONDS) also rule 2: a model whose queued work (queued
+    steps x step_ms, over the throughput of its copies) exceeds the target wait gets copies on
+    other workers until it does not, unloading for them only copies idle for `idle_seconds`; and
+    a model with sessions still waiting while it has full copies and no load pending gets one more.
+
+    Never: past a worker's free memory (pending and planned loads and unloads counted), unloading a
+    busy model or an API-loaded one within its minimum residency, asking a worker whose load of that
+    model failed within the back-off, asking a draining worker, or two actions for one model on
+    one worker. A model's last copy is not unloaded to make room while work waits for it (that
+    would only move the wait). Workers are chosen by the highest rung they can give, then the
+    fewest models running a job or session (a copy behind another model's work adds little), then
+    the fewest unloads, then the most memory left, then worker_id.
+    """
+    settings = settings or PlacementSettings()
+    wanted = {d.model_id: d for d in demand if d.queued_jobs > 0 or d.queued_steps > 0 or d.waiting_sessions > 0}
+    plan = _Plan([_view(w) for w in sorted(workers, key=lambda w: w.worker_id)], wanted, now, settings)
+    plan.rule_1()
+    if periodic:
+        plan.rule_2()
+    return plan.actions
+
+
+def _view(state: WorkerState) -> _Worker:
+    """The running view of a worker at the start of a plan."""
+    installed = {m.model_id: m for m in state.installed}
+    pending = {p.model_id: p.rung for p in state.loading}
+    if state.free_mib is None:
+        available = float("inf")
+    else:
+        spoken_for = sum(_needs(installed.get(model_id), rung) for model_id, rung in pending.items())
+        available = state.free_mib - spoken_for
+    loaded = {m.model_id: m for m in state.loaded if m.model_id not in state.unloading}
+    copies = {model_id: m.rung for model_id, m in loaded.items()}
+    copies.update(pending)
+    untouchable = set(state.unloading)
+    return _Worker(state, available, installed, loaded, copies, untouchable)
+
+
+def _needs(installed: InstalledModel | None, rung: str) -> float:
+    """What a rung of an installed model needs (a pending load of a model the worker no longer lists
+    as installed is counted as needing nothing: its answer will report the memory)."""
+    if installed is None:
+        return 0.0
+    return float(installed.needs_mib.get(rung, 0))
+
+
+@dataclass
+class _Choice:
+    worker: _Worker
+    rung: str
+    unloads: list[LoadedModel]
+
+
+class _Plan:
+    """One planning run: the workers' running views, the demand and the actions so far."""
+
+    def __init__(self, workers: list[_Worker], wanted: dict[str, ModelDemand], now: float,
+                 settings: PlacementSettings) -> None:
+        self.workers = workers
+        self.wanted = wanted
+        self.now = now
+        self.settings = settings
+        self.actions: list[PlacementAction] = []
+
+    # rule 1 ---------------------------------------------------------------------------------
+
+    def rule_1(self) -> None:
+        """Load at once each waiting model that has no copy (sessions first, then the most steps)."""
+        order = sorted(self.wanted.values(), key=lambda d: (-d.waiting_sessions, -d.queued_steps, d.model_id))
+        for d in order:
+            if d.waiting_sessions > 0 and not self._copies(d.model_id, full_only=True):
+                why = (f"{_count(d.waiting_sessions, 'session')} waiting and no copy on rung full"
+                       + (f" ({self._copies_text(d.model_id)})" if self._copies(d.model_id) else ""))
+                self._place(d.model_id, why, full_only=True, idle_only=False)
+            if (d.queued_jobs > 0 or d.queued_steps > 0) and not self._copies(d.model_id):
+                why = f"{_count(d.queued_jobs, 'job')} waiting ({d.queued_steps} steps) and no copy loaded"
+                self._place(d.model_id, why, full_only=False, idle_only=False)
+
+    # rule 2 ---------------------------------------------------------------------------------
+
+    def rule_2(self) -> None:
+        """Add copies where queued work per copy exceeds the target wait; one more full copy for
+        sessions still waiting when every full copy is in place (its slots taken)."""
+        target = self.settings.target_wait_seconds
+        by_wait = sorted(self.wanted.values(), key=lambda d: (-self._wait_seconds(d), d.model_id))
+        for d in by_wait:
+            while self._copies(d.model_id) and (wait := self._wait_seconds(d)) > target:
+                why = (f"{d.queued_steps} queued steps are {wait:,.0f} s of work per copy over "
+                       f"{self._copies_text(d.model_id)}, above the {target:g} s target wait")
+                if not self._place(d.model_id, why, full_only=False, idle_only=True):
+                    break
+            full = self._copies(d.model_id, full_only=True)
+            if d.waiting_sessions > 0 and full and not self._pending_full(d.model_id):
+                why = (f"{_count(d.waiting_sessions, 'session')} still waiting with every slot of "
+                       f"{_count(len(full), 'full copy', 'full copies')} taken")
+                self._place(d.model_id, why, full_only=True, idle_only=True)
+
+    def _wait_seconds(self, d: ModelDemand) -> float:
+        """Queued steps over the copies' summed throughput (steps per second from each worker's
+        step_ms): the contract's queued steps x step_ms / copies when the copies are alike."""
+        per_second = 0.0
+        for w in self._copies(d.model_id):
+            installed = w.installed.get(d.model_id)
+            step_ms = installed.step_ms if installed and installed.step_ms else self.settings.default_step_ms
+            per_second += 1000.0 / step_ms
+        return float("inf") if per_second == 0 else d.queued_steps / per_second
+
+    # choosing a worker ----------------------------------------------------------------------
+
+    def _place(self, model_id: str, why: str, *, full_only: bool, idle_only: bool) -> bool:
+        """Plan one new copy of `model_id` on the best worker that can take it; False when none can."""
+        choices = [c for w in self.workers if (c := self._choice(w, model_id, full_only, idle_only))]
+        if not choices:
+            return False
+        best = min(choices, key=lambda c: (RUNGS.index(c.rung), _busy(c.worker), len(c.unloads),
+                                           -(c.worker.available_mib + sum(m.held_mib for m in c.unloads)
+                                             - _needs(c.worker.installed[model_id], c.rung)),
+                                           c.worker.state.worker_id))
+        w = best.worker
+        for m in best.unloads:
+            self._unload(w, m, model_id, idle_only)
+        w.available_mib -= _needs(w.installed[model_id], best.rung)
+        w.copies[model_id] = best.rung
+        w.untouchable.add(model_id)
+        self.actions.append(PlacementAction(LOAD, w.state.worker_id, model_id, best.rung, f"load: {why}"))
+        return True
+
+    def _choice(self, w: _Worker, model_id: str, full_only: bool, idle_only: bool) -> _Choice | None:
+        """The highest rung `w` can give `model_id` (and the unloads it takes), or None when `w` may
+        not or cannot take it."""
+        installed = w.installed.get(model_id)
+        if (installed is None or w.state.draining or model_id in w.copies or model_id in w.untouchable
+                or self._backing_off(w, model_id)):
+            return None
+        spare = self._evictable(w, idle_only)
+        for rung in (RUNG_FULL,) if full_only else RUNGS:
+            if rung not in installed.needs_mib:
+                continue
+            short = installed.needs_mib[rung] - w.available_mib
+            unloads: list[LoadedModel] = []
+            for m in spare:
+                if short <= 0:
+                    break
+                unloads.append(m)
+                short -= m.held_mib
+            if short <= 0:
+                return _Choice(w, rung, _needed(unloads, short))
+        return None
+
+    def _backing_off(self, w: _Worker, model_id: str) -> bool:
+        failed_at = w.state.failed_loads.get(model_id)
+        return failed_at is not None and self.now - failed_at < self.settings.failed_load_backoff_seconds
+
+    def _evictable(self, w: _Worker, idle_only: bool) -> list[LoadedModel]:
+        """`w`'s models that may give way, least recently used first: not busy, not API-loaded within
+        the minimum residency, not the last copy of a model work waits for, and for the periodic rule
+        idle for `idle_seconds` with no work waiting for it."""
+        out = []
+        for m in w.loaded.values():
+            if m.busy or m.model_id in w.untouchable:
+                continue
+            if m.loaded_at is not None and self.now - m.loaded_at < self.settings.min_residency_seconds:
+                continue
+            if idle_only and self.now - m.last_used < self.settings.idle_seconds:
+                continue
+            if m.model_id in self.wanted and (idle_only or len(self._copies(m.model_id)) <= 1):
+                continue
+            out.append(m)
+        return sorted(out, key=lambda m: (m.last_used, m.model_id))
+
+    def _unload(self, w: _Worker, m: LoadedModel, for_model: str, idle_only: bool) -> None:
+        del w.loaded[m.model_id]
+        del w.copies[m.model_id]
+        w.untouchable.add(m.model_id)
+        w.available_mib += m.held_mib
+        idle = f"idle {self.now - m.last_used:,.0f} s" if idle_only else (
+            f"least recently used, last used {self.now - m.last_used:,.0f} s ago")
+        self.actions.append(PlacementAction(
+            UNLOAD, w.state.worker_id, m.model_id, None,
+            f"unload: frees {m.held_mib:,} MiB for {for_model} ({idle}, holds no job or session)"))
+
+    # copies ---------------------------------------------------------------------------------
+
+    def _copies(self, model_id: str, *, full_only: bool = False) -> list[_Worker]:
+        """Workers taking work that hold `model_id` (loaded or loading, not being unloaded)."""
+        return [w for w in self.workers if not w.state.draining and model_id in w.copies
+                and (not full_only or w.copies[model_id] == RUNG_FULL)]
+
+    def _pending_full(self, model_id: str) -> bool:
+        """A full copy of `model_id` is on its way (sent earlier or planned now)."""
+        return any(model_id not in w.loaded for w in self._copies(model_id, full_only=True))
+
+    def _copies_text(self, model_id: str) -> str:
+        copies = self._copies(model_id)
+        return _count(len(copies), "copy", "copies") + (
+            " on " + ", ".join(f"{w.state.worker_id} ({w.copies[model_id]})" for w in copies) if copies else "")
+
+
+def _needed(unloads: list[LoadedModel], short: float) -> list[LoadedModel]:
+    """The least recently used prefix that made room, less those it can do without (the most
+    recently used first kept): a large model taken last may leave room for a small one taken before."""
+    kept = list(unloads)
+    for m in sorted(unloads[:-1], key=lambda m: (-m.last_used, m.model_id)):
+        if short + m.held_mib <= 0:
+            short += m.held_mib
+            kept.remove(m)
+    return kept
+
+
+def _busy(w: _Worker) -> int:
+    """How many of a worker's loaded models hold a job or a session now."""
+    return sum(1 for m in w.state.loaded if m.busy)
+
+
+def _count(n: int, one: str, many: str | None = None) -> str:
+    """'1 job', '3 jobs'."""
+    return f"{n} {one if n == 1 else (many or one + 's')}"
