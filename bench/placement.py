@@ -14,7 +14,11 @@ and realtime sessions. Per policy: SLO attainment (a job within 3x its standalon
 a session live within 10 s), loads per hour, GPU busy share; then the goal line: the planner at
 >= 99 % attainment with at least 1.5x fewer violations than lru and no more loads than it.
 
-    .venv/bin/python bench/placement.py [--seed 1] [--workers 8] [--models 12] [--duration 3600]
+It also replays the planner with a tighter target wait (--also-target-wait, default 5 s), for
+information, and counts the late jobs by what they met first (no copy when they came, a queue, a
+slower rung: group offload's step is 3.7x full's, so a job there misses a 3x budget by itself).
+
+    .venv/bin/python bench/placement.py [--seed 1] [--workers 8] [--models 12] [--duration 14400]
 """
 from __future__ import annotations
 
@@ -97,12 +101,14 @@ class ModelSpec:
         return self.steps * self.step_ms / 1000 * factor + fixed
 
 
-def model_specs(n: int) -> list[ModelSpec]:
+def model_specs(n: int, rungs: Sequence[str] = RUNGS) -> list[ModelSpec]:
+    """`n` models cycling through the families, allowed only `rungs` (as a worker's MEMORY_MODE)."""
     out = []
     for i in range(n):
         family = MODEL_FAMILIES[i % len(MODEL_FAMILIES)]
         needs, step_ms, steps, slots = FAMILIES[family]
-        out.append(ModelSpec(f"{family}-{i:02d}", dict(zip(RUNGS, needs, strict=True)), step_ms, steps, slots))
+        allowed = {r: mib for r, mib in zip(RUNGS, needs, strict=True) if r in rungs}
+        out.append(ModelSpec(f"{family}-{i:02d}", allowed, step_ms, steps, slots))
     return out
 
 
@@ -163,6 +169,8 @@ class Job:
     submitted: float
     budget: float  # JOB_SLO_FACTOR x its standalone time on rung full
     finished: float | None = None
+    rung: str | None = None  # the rung of the copy it ran on
+    copy_on_arrival: bool = True  # a copy was loaded when it came
 
 
 @dataclass
@@ -331,7 +339,7 @@ class Fleet:
                     self.queued[job.model_id].popleft()
                     spec, copy = self.specs[job.model_id], w.copies[job.model_id]
                     seconds = spec.seconds(copy.rung) * (1 + SESSION_SLOWDOWN * sum(w.live.values()))
-                    w.job, copy.last_used = job, self.now
+                    w.job, copy.last_used, job.rung = job, self.now, copy.rung
                     self.busy_seconds += seconds
                     self.at(self.now + seconds, "job_done", w)
         for model_id, q in self.waiting.items():
@@ -367,6 +375,7 @@ class Fleet:
 
     def handle(self, kind: str, what: object) -> None:
         if kind == "arrive" and isinstance(what, Job):
+            what.copy_on_arrival = any(w.ready(what.model_id) for w in self.workers)
             self.queued[what.model_id].append(what)
         elif kind == "arrive" and isinstance(what, Session):
             self.waiting[what.model_id].append(what)
@@ -432,6 +441,7 @@ class Result:
     loads_per_hour: float
     busy_share: float
     wall_seconds: float
+    late_why: Counter[str]
 
     @property
     def violations(self) -> int:
@@ -445,7 +455,7 @@ class Result:
 
 def replay(name: str, args: argparse.Namespace, settings: PlacementSettings) -> Result:
     rng = random.Random(args.seed)
-    specs = model_specs(args.models)
+    specs = model_specs(args.models, args.rungs.split(","))
     arrivals = trace(rng, specs, duration=args.duration, job_rate=args.job_rate, phase=args.phase,
                      session_rate=args.session_rate, spike_every=args.spike_every)
     fleet = Fleet(specs, args.workers, args.vram_mib, random.Random(args.seed + 1))
@@ -453,11 +463,21 @@ def replay(name: str, args: argparse.Namespace, settings: PlacementSettings) -> 
     fleet.run(arrivals, POLICIES[name](settings), duration=args.duration)
     jobs = [a for _, a in arrivals if isinstance(a, Job)]
     sessions = [a for _, a in arrivals if isinstance(a, Session)]
-    late = sum(1 for j in jobs if j.finished is None or j.finished - j.submitted > j.budget)
+    late_jobs = [j for j in jobs if j.finished is None or j.finished - j.submitted > j.budget]
+    late = len(late_jobs)
     unseated = sum(1 for s in sessions if s.live_at is None or s.live_at - s.joined > SESSION_SLO_SECONDS)
     return Result(name, len(jobs), late, len(sessions), unseated, fleet.loads, fleet.failed,
                   fleet.loads / (args.duration / 3600), fleet.busy_seconds / (args.workers * max(fleet.now, 1.0)),
-                  time.perf_counter() - started)
+                  time.perf_counter() - started, Counter(map(why_late, late_jobs)))
+
+
+def why_late(j: Job) -> str:
+    """What a late job met first: never ran, a slower rung, no copy when it came, or a queue."""
+    if j.finished is None:
+        return "never ran"
+    if j.rung != RUNG_FULL:
+        return f"ran on {j.rung}"
+    return "queued behind work" if j.copy_on_arrival else "no copy on arrival"
 
 
 def main() -> None:
@@ -465,7 +485,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--models", type=int, default=12)
-    parser.add_argument("--duration", type=float, default=3600.0, help="seconds of trace (simulated)")
+    parser.add_argument("--duration", type=float, default=14_400.0, help="seconds of trace (simulated)")
     parser.add_argument("--vram-mib", type=int, default=WORKER_VRAM_MIB, help="each worker's device memory")
     parser.add_argument("--job-rate", type=float, default=0.5, help="jobs per second outside spikes")
     parser.add_argument("--session-rate", type=float, default=1 / 30, help="sessions per second")
@@ -473,6 +493,7 @@ def main() -> None:
     parser.add_argument("--phase", type=float, default=600.0, help="seconds between popularity reshuffles")
     parser.add_argument("--target-wait", type=float, default=PlacementSettings().target_wait_seconds,
                         help="the planner's PLACEMENT_TARGET_WAIT_SECONDS")
+    parser.add_argument("--rungs", default=",".join(RUNGS), help="the rungs a model may take, e.g. full")
     parser.add_argument("--also-target-wait", type=float, default=5.0,
                         help="also replay the planner with this target wait, for information (0: not)")
     args = parser.parse_args()
@@ -480,17 +501,22 @@ def main() -> None:
 
     print(f"trace: seed {args.seed}, {args.workers} workers x {args.vram_mib:,} MiB, {args.models} models, "
           f"{args.duration:,.0f} s (+ up to {DRAIN_SECONDS:,.0f} s to drain), jobs {args.job_rate:g}/s + spikes, "
-          f"sessions {args.session_rate:.3g}/s; planner target wait {settings.target_wait_seconds:g} s")
+          f"sessions {args.session_rate:.3g}/s; rungs {args.rungs}; "
+          f"planner target wait {settings.target_wait_seconds:g} s")
     results = {name: replay(name, args, settings) for name in POLICIES}
     if args.also_target_wait:  # for information: the same planner with a tighter target wait
         also = replay("planner", args, PlacementSettings(target_wait_seconds=args.also_target_wait))
         results["also"] = replace(also, policy=f"planner@{args.also_target_wait:g}s")
-    print(f"{'policy':<8} {'jobs':>6} {'late':>6} {'sessions':>8} {'late':>5} {'attainment':>10} "
+    print(f"{'policy':<11} {'jobs':>6} {'late':>6} {'sessions':>8} {'late':>5} {'attainment':>10} "
           f"{'loads':>6} {'failed':>6} {'loads/h':>8} {'gpu busy':>8} {'wall s':>7}")
     for r in results.values():
-        print(f"{r.policy:<8} {r.jobs:>6} {r.job_violations:>6} {r.sessions:>8} {r.session_violations:>5} "
+        print(f"{r.policy:<11} {r.jobs:>6} {r.job_violations:>6} {r.sessions:>8} {r.session_violations:>5} "
               f"{r.attainment:>10.2%} {r.loads:>6} {r.failed_loads:>6} {r.loads_per_hour:>8.1f} "
               f"{r.busy_share:>8.1%} {r.wall_seconds:>7.1f}")
+    reasons = ("never ran", "no copy on arrival", "queued behind work", "ran on model_offload", "ran on group_offload")
+    print("late jobs, by what they met:")
+    for r in results.values():
+        print(f"  {r.policy:<11} " + ", ".join(f"{why} {r.late_why[why]}" for why in reasons if r.late_why[why]))
     p, lru = results["planner"], results["lru"]
     fewer = float("inf") if p.violations == 0 else lru.violations / p.violations
     ok = p.attainment >= 0.99 and fewer >= 1.5 and p.loads <= lru.loads
