@@ -46,6 +46,16 @@
     job_started post, against one long-job step p95 (measured in the same run) + 50 ms. Baseline in
     the same run: the urgent job at priority 0, which waits for the long jobs ahead of it (3 times).
 
+(e) the same through the API: real Daphne (tests.support.stack) and the real worker built as
+    runworker_gpu builds it (workers.gpu.main.build_client) in this process, so its JobTiming is read
+    directly. One account's 50-step job runs; once it is 2 steps further on, and a random moment into
+    a step later, the account submits a 2-step job at priority 9 over REST; its delay: the POST's
+    start -> the worker's denoising start of it, 5 times (--urgent-rounds). Two cases:
+    JOB_DISPATCH_DEPTH 1, where the worker is full, so only the API's priority preemption (preempt,
+    job_preempted at the step boundary, the job sent to the freed place) can start it; and depth 2,
+    where the job is dispatched at once and the worker's turn book lets it overtake at the next
+    step. Goal: one step (of an uninterrupted job of that size, measured in the same run) + 50 ms.
+
 Every figure is wall time on this machine's CPU, shared with whatever else runs: each part prints the
 load average it started at.
 
@@ -699,7 +709,91 @@ def part_d(args: argparse.Namespace) -> None:
            f"max {worst * 1000:.0f} ms against {bound * 1000:.0f} ms ({step_p95 * 1000:.1f} + 50)")
 
 
-PARTS: dict[str, Callable[[argparse.Namespace], None]] = {"a": part_a, "b": part_b, "c": part_c, "d": part_d}
+def part_e(args: argparse.Namespace) -> None:
+    """(e) the urgent job through the API: real Daphne, the real worker in this process."""
+    print("\n(e) an urgent job through the API and the real worker (tiny model, CPU): submit -> its first "
+          f"step begins, {args.urgent_rounds} rounds per case", flush=True)
+    print(f"{'case':<58}{'step ms':>12}{'delay p50 ms':>14}{'delay max ms':>14}{'goal ms':>9}  verdict")
+    for depth, case in ((1, "full worker (depth 1): the API preempts the long job"),
+                        (2, "worker with room (depth 2): it overtakes at a step")):
+        _urgent_through_api(args, depth, case)
+
+
+def _urgent_through_api(args: argparse.Namespace, depth: int, case: str) -> None:
+    import asyncio
+
+    import httpx
+
+    from tests.support.stack import Stack
+    from workers.gpu.main import WorkerOptions, build_client
+
+    async def rounds(stack: Stack, account: str, worker_token: str, models_dir: Path) -> tuple[list[float], float]:
+        client = build_client(WorkerOptions(api=stack.ws_url, token=worker_token, models_dir=models_dir,
+                                            device="cpu", worker_id=f"bench-urgent-{depth}:0", threads=args.threads,
+                                            realtime=False))
+        running = asyncio.create_task(client.run())
+        headers = {"Authorization": f"Token {account}"}
+        size = args.urgent_size
+        async with httpx.AsyncClient(base_url=stack.http_url, headers=headers, timeout=60, trust_env=False) as api:
+            async def submit(prompt: str, steps: int, priority: int) -> str:
+                response = await api.post("/api/v1/jobs/", json={"model_id": "tiny-sd", "priority": priority,
+                                                                 "params": {"prompt": prompt, "width": size,
+                                                                            "height": size, "steps": steps,
+                                                                            "seed": 3}})
+                response.raise_for_status()
+                return str(response.json()["id"])
+
+            async def wait(job_id: str, done: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+                deadline = time.monotonic() + 300
+                while True:
+                    job = (await api.get(f"/api/v1/jobs/{job_id}/")).json()
+                    if done(job):
+                        return job
+                    assert time.monotonic() < deadline and job["state"] not in ("failed", "cancelled"), job
+                    await asyncio.sleep(0.01)
+
+            def timing_of(job_id: str) -> Any:
+                return next(t for t in reversed(client.timings) if t.job_id == job_id)
+
+            # the step time, from an uninterrupted job of the same size
+            alone = await submit("alone", 20, 0)
+            await wait(alone, lambda job: job["state"] == "succeeded")
+            t = timing_of(alone)
+            step_s = (t.denoise_end - t.denoise_start) / 20
+            long = await submit("a long job", 50, 0)
+            rng = random.Random(depth)
+            delays: list[float] = []
+            for n in range(args.urgent_rounds):
+                past = ((await api.get(f"/api/v1/jobs/{long}/")).json()["progress"] or {"step": 0})["step"]
+
+                def further(job: dict[str, Any], past: int = past) -> bool:
+                    return bool((job.get("progress") or {}).get("step", 0) > past + 2)
+
+                await wait(long, further)
+                await asyncio.sleep(rng.uniform(0, step_s))  # a random moment within a step, as in (d)
+                submitted = time.monotonic()
+                urgent = await submit(f"urgent {n}", 2, 9)
+                await wait(urgent, lambda job: job["state"] == "succeeded")
+                delays.append(timing_of(urgent).denoise_start - submitted)
+            await api.post(f"/api/v1/jobs/{long}/cancel/")
+        client.stop()
+        await asyncio.gather(running, return_exceptions=True)
+        return delays, step_s
+
+    with Stack(JOB_DISPATCH_DEPTH=str(depth), JOB_CHECKPOINT_SECONDS="0") as stack:
+        account, worker_token = stack.prepare()
+        models_dir = stack.workdir / "models"
+        stack.manage("load_manifests", stack.manage("make_tiny_model", str(models_dir / "tiny")))
+        stack.start_api()
+        delays, step_s = asyncio.run(rounds(stack, account, worker_token, models_dir))
+    goal = step_s + 0.050
+    worst = max(delays)
+    print(f"{case:<58}{step_s * 1000:>12.1f}{statistics.median(delays) * 1000:>14.1f}{worst * 1000:>14.1f}"
+          f"{goal * 1000:>9.1f}  {'PASS' if worst <= goal else 'MISS'}", flush=True)
+
+
+PARTS: dict[str, Callable[[argparse.Namespace], None]] = {"a": part_a, "b": part_b, "c": part_c, "d": part_d,
+                                                       "e": part_e}
 
 
 def main() -> None:
@@ -728,6 +822,8 @@ def main() -> None:
     parser.add_argument("--urgent-steps", type=int, default=4, help="(d) steps of the urgent job")
     parser.add_argument("--repeats", type=int, default=10, help="(d) urgent jobs at priority 9")
     parser.add_argument("--baseline-repeats", type=int, default=3, help="(d) urgent jobs at priority 0 (the baseline)")
+    parser.add_argument("--urgent-rounds", type=int, default=5, help="(e) urgent jobs per case")
+    parser.add_argument("--urgent-size", type=int, default=128, help="(e) the jobs' size (longer steps than (d))")
     args = parser.parse_args()
     for name in ("b_steps", "job_steps", "long_steps", "urgent_steps", "frame_steps", "real_steps"):
         if not (name == "real_steps" and args.real_steps == 0) and not 1 <= getattr(args, name) <= MAX_STEPS:
