@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import time
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -129,49 +130,55 @@ def test_a_job_whose_worker_is_killed_resumes_from_its_periodic_checkpoint_on_an
         assert png_of(alice, done) == uninterrupted_png(alice, params)
 
 
+@dataclass
+class Overtaken:
+    """An account's long job overtaken by its urgent one, both ended."""
+
+    client: Client
+    worker: Any  # the worker's Process
+    params: dict[str, Any]
+    long: dict[str, Any]  # the long job at its end
+    urgent: dict[str, Any]  # the urgent job at its end
+
+
+def urgent_overtakes_long(stack: Stack, worker_id: str, seed: int) -> Overtaken:
+    """One worker; an account's long priority-0 job runs, then the account submits a priority-9 job,
+    which must end first; both jobs as they ended."""
+    (alice,), worker_token, models_dir = serve(stack)
+    worker = stack.start_worker(worker_token, models_dir, "--worker-id", worker_id, *WORKER_OPTIONS)
+    params = {**LONG, "seed": seed}
+    long = alice.submit(model_id="tiny-sd", params=params, priority=0)
+    running_past_step_one(alice, long["id"])
+
+    urgent = alice.submit(model_id="tiny-sd", params=URGENT, priority=9)
+    urgent_done = alice.wait(urgent["id"], "succeeded")
+    assert urgent_done["state"] == "succeeded", urgent_done
+    long_then = alice.job(long["id"])
+    assert long_then["state"] != "succeeded", f"the long job ended first: {long_then}"
+    long_done = alice.wait(long["id"], "succeeded")
+    assert long_done["state"] == "succeeded" and long_done["attempts"] == 1, long_done
+    assert moment(urgent_done["finished_at"]) < moment(long_done["finished_at"]), (urgent_done, long_done)
+    return Overtaken(alice, worker, params, long_done, urgent_done)
+
+
 def test_an_urgent_job_overtakes_its_accounts_long_job_on_a_worker_with_room(tmp_path: Path) -> None:
     with Stack(workdir=tmp_path) as stack:  # JOB_DISPATCH_DEPTH 2: the worker holds both
-        (alice,), worker_token, models_dir = serve(stack)
-        worker = stack.start_worker(worker_token, models_dir, "--worker-id", "turns-a", *WORKER_OPTIONS)
-        params = {**LONG, "seed": 47}
-        long = alice.submit(model_id="tiny-sd", params=params, priority=0)
-        running_past_step_one(alice, long["id"])
+        run = urgent_overtakes_long(stack, "turns-a", 47)
 
-        urgent = alice.submit(model_id="tiny-sd", params=URGENT, priority=9)
-        urgent_done = alice.wait(urgent["id"], "succeeded")
-        assert urgent_done["state"] == "succeeded", urgent_done
-        long_then = alice.job(long["id"])
-        assert long_then["state"] != "succeeded", f"the long job ended first: {long_then}"
-
-        long_done = alice.wait(long["id"], "succeeded")
-        assert (long_done["state"], long_done["attempts"], long_done["preemptions"]) == ("succeeded", 1, 0), long_done
-        assert moment(urgent_done["finished_at"]) < moment(long_done["finished_at"]), (urgent_done, long_done)
-        assert re.search(rf"job {long['id']} set aside after step [1-9]\d* of {params['steps']} for a job of "
-                         "higher priority", worker.log()), "the worker did not set the long job aside"
-        assert png_of(alice, long_done) == uninterrupted_png(alice, params)
+        assert run.long["preemptions"] == 0, run.long
+        assert re.search(rf"job {run.long['id']} set aside after step [1-9]\d* of {run.params['steps']} for a job "
+                         "of higher priority", run.worker.log()), "the worker did not set the long job aside"
+        assert png_of(run.client, run.long) == uninterrupted_png(run.client, run.params)
 
 
 def test_an_urgent_job_preempts_its_accounts_long_job_on_a_full_worker(tmp_path: Path) -> None:
     with Stack(workdir=tmp_path, JOB_DISPATCH_DEPTH="1") as stack:  # the urgent job can only start by a preemption
-        (alice,), worker_token, models_dir = serve(stack)
-        worker = stack.start_worker(worker_token, models_dir, "--worker-id", "full-a", *WORKER_OPTIONS)
-        params = {**LONG, "seed": 53}
-        long = alice.submit(model_id="tiny-sd", params=params, priority=0)
-        running_past_step_one(alice, long["id"])
+        run = urgent_overtakes_long(stack, "full-a", 53)
 
-        urgent = alice.submit(model_id="tiny-sd", params=URGENT, priority=9)
-        urgent_done = alice.wait(urgent["id"], "succeeded")
-        assert urgent_done["state"] == "succeeded", urgent_done
-        long_then = alice.job(long["id"])
-        assert long_then["state"] != "succeeded", f"the long job ended first: {long_then}"
-
-        long_done = alice.wait(long["id"], "succeeded")
-        assert long_done["state"] == "succeeded" and long_done["attempts"] == 1, long_done
-        assert long_done["preemptions"] >= 1, long_done
-        assert moment(urgent_done["finished_at"]) < moment(long_done["finished_at"]), (urgent_done, long_done)
-        assert re.search(rf"job {long['id']} \(tiny-sd, attempt 1, .*, from step [1-9]", worker.log()), \
+        assert run.long["preemptions"] >= 1, run.long
+        assert re.search(rf"job {run.long['id']} \(tiny-sd, attempt 1, .*, from step [1-9]", run.worker.log()), \
             "the long job did not resume from the step where it was preempted"
-        assert png_of(alice, long_done) == uninterrupted_png(alice, params)
+        assert png_of(run.client, run.long) == uninterrupted_png(run.client, run.params)
 
 
 def test_another_accounts_urgent_job_waits_for_a_full_worker_and_preempts_nothing(tmp_path: Path) -> None:
