@@ -309,6 +309,9 @@ class Dispatcher:
             job = self.queues.remove(job_id)
             if job is None:
                 continue  # dispatched elsewhere, cancelled or paused meanwhile
+            if job.model_id not in worker.models:  # it came back serving other models: the queue decides
+                self.queues.push(job)
+                continue
             assignment = Assignment(job, worker_id)
             if claim(assignment):
                 self._hold(assignment)

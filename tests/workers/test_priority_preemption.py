@@ -156,3 +156,23 @@ async def test_after_an_api_restart_the_jobs_a_worker_still_holds_can_be_preempt
 
 async def _progress_is(job_id: str, step: int) -> bool:
     return (await job_row(job_id))["progress_step"] == step
+
+
+async def test_a_place_made_on_a_worker_that_came_back_without_the_model_goes_to_no_job_of_it(alice, v2_workers):
+    from tests.helpers import register_model
+
+    await database_sync_to_async(register_model)("tiny-b")
+    worker = v2_workers()
+    ids = await holding_two_of(alice, worker)
+    urgent, = await submit_jobs(alice, 1, priority=9)
+    assert await worker.receive() == {"type": "preempt", "job_id": ids[1]}
+    again = v2_workers()  # the same worker connects again, serving another model now
+    await again.join(["tiny-b"], jobs=ids)
+    await again.progress(ids[0], 1, 10)  # handled once its hello has been, to the end
+    assert await eventually(lambda: _progress_is(ids[0], 1))
+
+    await again.send(preempted(ids[1], 0, 10, None))
+
+    assert await again.receive() == {"type": "job_ack", "job_id": ids[1]}
+    assert await again.silent()  # neither the urgent job nor the one it gave back: not its model now
+    assert await job_states([urgent, ids[1]]) == ["queued", "queued"]
