@@ -11,7 +11,7 @@ from django.conf import settings
 from django.contrib.auth.models import AnonymousUser
 from rest_framework.authentication import BaseAuthentication, get_authorization_header
 from rest_framework.exceptions import AuthenticationFailed
-from rest_framework.permissions import BasePermission
+from rest_framework.permissions import BasePermission, IsAdminUser
 from rest_framework.renderers import BaseRenderer
 from rest_framework.request import Request
 
@@ -39,10 +39,7 @@ class StaffOrMetricsScraper(BasePermission):
     """A staff account, or the METRICS_TOKEN bearer (an account that is not staff: 403)."""
 
     def has_permission(self, request: Request, view: Any) -> bool:
-        if request.auth == METRICS_SCRAPER:
-            return True
-        user = request.user
-        return bool(user is not None and user.is_authenticated and user.is_staff)
+        return request.auth == METRICS_SCRAPER or IsAdminUser().has_permission(request, view)
 
 
 class PlainTextRenderer(BaseRenderer):
