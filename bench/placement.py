@@ -257,6 +257,8 @@ class Fleet:
         self.events: list[tuple[float, int, str, object]] = []
         self.seq = itertools.count()
         self.queued: dict[str, deque[Job]] = {s.model_id: deque() for s in specs}
+        self.arrived: dict[str, deque[Job]] = {s.model_id: deque() for s in specs}  # within the demand window
+        self.window = PlacementSettings().demand_window_seconds
         self.waiting: dict[str, deque[Session]] = {s.model_id: deque() for s in specs}
         self.workers = [SimWorker(f"w{i:02d}", vram_mib) for i in range(n_workers)]
         self.loads = 0
@@ -273,8 +275,12 @@ class Fleet:
 
     # what the planner sees
     def demand(self) -> list[ModelDemand]:
-        return [ModelDemand(m, len(q), sum(j.steps for j in q), len(self.waiting[m]))
-                for m, q in self.queued.items() if q or self.waiting[m]]
+        for recent in self.arrived.values():
+            while recent and recent[0].submitted < self.now - self.window:
+                recent.popleft()
+        return [ModelDemand(m, len(q), sum(j.steps for j in q), len(self.waiting[m]),
+                            sum(j.steps for j in self.arrived[m]))
+                for m, q in self.queued.items() if q or self.waiting[m] or self.arrived[m]]
 
     def states(self) -> list[WorkerState]:
         out = []
@@ -377,6 +383,7 @@ class Fleet:
         if kind == "arrive" and isinstance(what, Job):
             what.copy_on_arrival = any(w.ready(what.model_id) for w in self.workers)
             self.queued[what.model_id].append(what)
+            self.arrived[what.model_id].append(what)
         elif kind == "arrive" and isinstance(what, Session):
             self.waiting[what.model_id].append(what)
             self.at(self.now + SESSION_GIVE_UP_SECONDS, "give_up", what)

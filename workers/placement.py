@@ -22,6 +22,22 @@ class PlacementSettings:
     min_residency_seconds: float = 60.0  # PLACEMENT_MIN_RESIDENCY_SECONDS: an API-loaded model stays this long
     failed_load_backoff_seconds: float = 60.0  # a worker whose load failed is not asked again for this long
     default_step_ms: float = 100.0  # a model's step time until a worker has measured it (step_ms None)
+    # A copy's throughput is its step_ms (measured on full) times its rung's factor, plus the rung's
+    # fixed cost a job spread over the job's steps: the H200 table (docs/design/memory-ladder.md)
+    # has group offload at 3.7x full's step, and model offload at full's step plus ~0.8 s a job of
+    # moving modules (10 steps: 0.32 s full, 1.10 s model offload, 1.22 s group offload).
+    rung_step_factor: Mapping[str, float] = field(
+        default_factory=lambda: {"full": 1.0, "model_offload": 1.0, "group_offload": 3.7})
+    rung_job_seconds: Mapping[str, float] = field(
+        default_factory=lambda: {"full": 0.0, "model_offload": 0.8, "group_offload": 0.0})
+    default_job_steps: int = 25  # steps a job is taken to have when none is queued (for rung_job_seconds)
+    # The trend rule (periodic): a model whose recent arrivals (ModelDemand.recent_steps over
+    # demand_window_seconds) would keep its copies busy more than copy_busy_share of the time gets
+    # another copy, before a queue forms; 0 turns it off. A share of 0.5 keeps the chance that a
+    # job queues behind another low (M/D/c), which a job budget of a few times its own run needs.
+    copy_max_step_factor: float = 2.0  # the periodic rule adds no copy on a rung slower than this (group offload)
+    demand_window_seconds: float = 60.0
+    copy_busy_share: float = 0.2
 
 
 @dataclass(frozen=True)
@@ -33,6 +49,7 @@ class ModelDemand:
     queued_jobs: int = 0
     queued_steps: int = 0
     waiting_sessions: int = 0
+    recent_steps: int = 0  # steps of the jobs submitted for it in the last demand_window_seconds (the trend)
 
 
 @dataclass(frozen=True)
@@ -146,8 +163,9 @@ def plan_placement(demand: Iterable[ModelDemand], workers: Iterable[WorkerState]
     the fewest unloads, then the most memory left, then worker_id.
     """
     settings = settings or PlacementSettings()
-    wanted = {d.model_id: d for d in demand if d.queued_jobs > 0 or d.queued_steps > 0 or d.waiting_sessions > 0}
-    plan = _Plan([_view(w) for w in sorted(workers, key=lambda w: w.worker_id)], wanted, now, settings)
+    models = {d.model_id: d for d in demand
+              if d.queued_jobs > 0 or d.queued_steps > 0 or d.waiting_sessions > 0 or d.recent_steps > 0}
+    plan = _Plan([_view(w) for w in sorted(workers, key=lambda w: w.worker_id)], models, now, settings)
     plan.rule_1()
     if periodic:
         plan.rule_2()
@@ -188,10 +206,12 @@ class _Choice:
 class _Plan:
     """One planning run: the workers' running views, the demand and the actions so far."""
 
-    def __init__(self, workers: list[_Worker], wanted: dict[str, ModelDemand], now: float,
+    def __init__(self, workers: list[_Worker], models: dict[str, ModelDemand], now: float,
                  settings: PlacementSettings) -> None:
         self.workers = workers
-        self.wanted = wanted
+        self.models = models  # every model with work waiting or recent arrivals
+        self.wanted = {m: d for m, d in models.items()  # those with work waiting
+                       if d.queued_jobs > 0 or d.queued_steps > 0 or d.waiting_sessions > 0}
         self.now = now
         self.settings = settings
         self.actions: list[PlacementAction] = []
@@ -209,35 +229,105 @@ class _Plan:
             if (d.queued_jobs > 0 or d.queued_steps > 0) and not self._copies(d.model_id):
                 why = f"{_count(d.queued_jobs, 'job')} waiting ({d.queued_steps} steps) and no copy loaded"
                 self._place(d.model_id, why, full_only=False, idle_only=False)
+            self._more_full_for_sessions(d, idle_only=False)
 
     # rule 2 ---------------------------------------------------------------------------------
 
     def rule_2(self) -> None:
-        """Add copies where queued work per copy exceeds the target wait; one more full copy for
-        sessions still waiting when every full copy is in place (its slots taken)."""
-        target = self.settings.target_wait_seconds
-        by_wait = sorted(self.wanted.values(), key=lambda d: (-self._wait_seconds(d), d.model_id))
+        """Add copies where queued work per copy exceeds the target wait, or where the recent
+        arrivals would keep the copies busier than `copy_busy_share` (the trend: a copy in place
+        before the queue forms); one more full copy for sessions still waiting when every full
+        copy is in place (its slots taken)."""
+        by_wait = sorted(self.models.values(), key=lambda d: (-self._wait_seconds(d), d.model_id))
         for d in by_wait:
-            while self._copies(d.model_id) and (wait := self._wait_seconds(d)) > target:
-                why = (f"{d.queued_steps} queued steps are {wait:,.0f} s of work per copy over "
-                       f"{self._copies_text(d.model_id)}, above the {target:g} s target wait")
+            while self._copies(d.model_id) and (why := self._short_of_copies(d)):
                 if not self._place(d.model_id, why, full_only=False, idle_only=True):
                     break
-            full = self._copies(d.model_id, full_only=True)
-            if d.waiting_sessions > 0 and full and not self._pending_full(d.model_id):
-                why = (f"{_count(d.waiting_sessions, 'session')} still waiting with every slot of "
-                       f"{_count(len(full), 'full copy', 'full copies')} taken")
-                self._place(d.model_id, why, full_only=True, idle_only=True)
+            self._more_full_for_sessions(d, idle_only=True)
 
-    def _wait_seconds(self, d: ModelDemand) -> float:
-        """Queued steps over the copies' summed throughput (steps per second from each worker's
-        step_ms): the contract's queued steps x step_ms / copies when the copies are alike."""
+    def _short_of_copies(self, d: ModelDemand) -> str | None:
+        """Why `d`'s model wants another copy now (the reason for the log), or None."""
+        target = self.settings.target_wait_seconds
+        if (wait := self._wait_seconds(d)) > target:
+            return (f"{d.queued_steps} queued steps are {wait:,.1f} s of work over "
+                    f"{self._copies_text(d.model_id)}, above the {target:g} s target wait")
+        share = self.settings.copy_busy_share
+        if share > 0 and (busy := self._busy_share(d)) > share:
+            return (f"{d.recent_steps} steps came in the last {self.settings.demand_window_seconds:g} s, "
+                    f"{busy:.0%} of what {self._copies_text(d.model_id)} can do, above {share:.0%}")
+        return None
+
+    def _more_full_for_sessions(self, d: ModelDemand, *, idle_only: bool) -> None:
+        """One more full copy for sessions still waiting while every full copy is in place (a
+        session waits only when no full copy has a free slot) and none is on its way."""
+        full = self._copies(d.model_id, full_only=True)
+        if d.waiting_sessions > 0 and full and not self._pending_full(d.model_id):
+            why = (f"{_count(d.waiting_sessions, 'session')} still waiting with every slot of "
+                   f"{_count(len(full), 'full copy', 'full copies')} taken")
+            self._place(d.model_id, why, full_only=True, idle_only=idle_only)
+
+    def _steps_per_second(self, model_id: str, *, without: _Worker | None = None) -> float:
+        """What the copies of `model_id` can do together, in steps a second: each copy's step_ms
+        (measured on full) times its rung's factor."""
         per_second = 0.0
-        for w in self._copies(d.model_id):
-            installed = w.installed.get(d.model_id)
+        for w in self._copies(model_id):
+            if w is without:
+                continue
+            installed = w.installed.get(model_id)
             step_ms = installed.step_ms if installed and installed.step_ms else self.settings.default_step_ms
-            per_second += 1000.0 / step_ms
+            free = max(0.1, 1.0 - self._worker_load(w) + self._copy_load(w, model_id))
+            per_second += free * 1000.0 / (step_ms * self._factor(model_id, w.copies[model_id], step_ms))
+        return per_second
+
+    def _factor(self, model_id: str, rung: str, step_ms: float) -> float:
+        """How much slower than full a job of `model_id` runs on `rung`: the rung's step factor plus
+        its fixed cost a job over the job's steps (the queued jobs' mean, else default_job_steps)."""
+        d = self.models.get(model_id)
+        steps = (d.queued_steps / d.queued_jobs if d and d.queued_jobs and d.queued_steps
+                 else self.settings.default_job_steps)
+        fixed = self.settings.rung_job_seconds.get(rung, 0.0) * 1000.0 / (max(steps, 1) * step_ms)
+        return self.settings.rung_step_factor.get(rung, 1.0) + fixed
+
+    def _copy_load(self, w: _Worker, model_id: str) -> float:
+        """The share of `w`'s time the recent arrivals of `model_id` take, spread evenly over its copies."""
+        d = self.models.get(model_id)
+        if d is None or d.recent_steps == 0 or model_id not in w.copies:
+            return 0.0
+        installed = w.installed.get(model_id)
+        step_ms = installed.step_ms if installed and installed.step_ms else self.settings.default_step_ms
+        factor = self._factor(model_id, w.copies[model_id], step_ms)
+        copies = max(1, len(self._copies(model_id)))
+        return d.recent_steps / self.settings.demand_window_seconds * step_ms * factor / 1000.0 / copies
+
+    def _worker_load(self, w: _Worker, unloads: Sequence[LoadedModel] = ()) -> float:
+        """The share of `w`'s time its copies' recent arrivals take (less the models to be unloaded):
+        a copy on a worker busy with other models' jobs runs fewer of its own, and its jobs wait."""
+        gone = {m.model_id for m in unloads}
+        return sum(self._copy_load(w, m) for m in w.copies if m not in gone)
+
+    def _wait_seconds(self, d: ModelDemand, *, without: _Worker | None = None) -> float:
+        """Queued steps over the copies' summed throughput: the contract's queued steps x step_ms /
+        copies when the copies are alike and on rung full."""
+        if d.queued_steps == 0:
+            return 0.0
+        per_second = self._steps_per_second(d.model_id, without=without)
         return float("inf") if per_second == 0 else d.queued_steps / per_second
+
+    def _busy_share(self, d: ModelDemand, *, without: _Worker | None = None) -> float:
+        """The chance that a job of `d`'s model finds every copy's worker busy (so it queues), from
+        the recent arrivals: the product over its copies of each worker's load (its copies' recent
+        work, this model's spread over its copies), 1.0 with no copy. A job whose budget is a few
+        times its own run cannot wait for another model's job to end, so this, not a copy's own
+        utilisation, is what makes it late."""
+        if d.recent_steps == 0:
+            return 0.0
+        copies = [w for w in self._copies(d.model_id) if w is not without]
+        chance = 1.0
+        for w in copies:
+            spread = len(self._copies(d.model_id)) / len(copies)  # its share of the copy left out
+            load = self._worker_load(w) + self._copy_load(w, d.model_id) * (spread - 1)
+            chance *= min(1.0, load)
+        return chance
 
     # choosing a worker ----------------------------------------------------------------------
 
@@ -246,7 +336,9 @@ class _Plan:
         choices = [c for w in self.workers if (c := self._choice(w, model_id, full_only, idle_only))]
         if not choices:
             return False
-        best = min(choices, key=lambda c: (RUNGS.index(c.rung), _busy(c.worker), len(c.unloads),
+        best = min(choices, key=lambda c: (RUNGS.index(c.rung), round(self._worker_load(c.worker, c.unloads), 2),
+                                           _busy(c.worker), self._last_copies(c.unloads),
+                                           len(c.unloads),
                                            -(c.worker.available_mib + sum(m.held_mib for m in c.unloads)
                                              - _needs(c.worker.installed[model_id], c.rung)),
                                            c.worker.state.worker_id))
@@ -270,6 +362,9 @@ class _Plan:
         for rung in (RUNG_FULL,) if full_only else RUNGS:
             if rung not in installed.needs_mib:
                 continue
+            step_ms = installed.step_ms or self.settings.default_step_ms
+            if idle_only and self._factor(model_id, rung, step_ms) > self.settings.copy_max_step_factor:
+                continue  # a copy for throughput on a rung this slow adds little and makes its jobs late
             short = installed.needs_mib[rung] - w.available_mib
             unloads: list[LoadedModel] = []
             for m in spare:
@@ -280,6 +375,10 @@ class _Plan:
             if short <= 0:
                 return _Choice(w, rung, _needed(unloads, short))
         return None
+
+    def _last_copies(self, unloads: list[LoadedModel]) -> int:
+        """How many of these unloads take a model's last copy (its next job or session waits for a load)."""
+        return sum(1 for m in unloads if len(self._copies(m.model_id)) <= 1)
 
     def _backing_off(self, w: _Worker, model_id: str) -> bool:
         failed_at = w.state.failed_loads.get(model_id)
@@ -295,6 +394,9 @@ class _Plan:
                 continue
             if m.loaded_at is not None and self.now - m.loaded_at < self.settings.min_residency_seconds:
                 continue
+            if idle_only and self._surplus(w, m.model_id):
+                out.append(m)
+                continue
             if idle_only and self.now - m.last_used < self.settings.idle_seconds:
                 continue
             if m.model_id in self.wanted and (idle_only or len(self._copies(m.model_id)) <= 1):
@@ -302,13 +404,29 @@ class _Plan:
             out.append(m)
         return sorted(out, key=lambda m: (m.last_used, m.model_id))
 
+    def _surplus(self, w: _Worker, model_id: str) -> bool:
+        """`w`'s copy of `model_id` is one its model can do without: another copy stays, and
+        without this one neither its queued work nor its recent arrivals would want a copy back
+        (so the periodic rule may take it for another model however recently it ran)."""
+        if len(self._copies(model_id)) <= 1:
+            return False
+        d = self.models.get(model_id)
+        if d is None:
+            return True
+        share = self.settings.copy_busy_share  # half the thresholds: no copy taken that would be wanted back soon
+        return (self._wait_seconds(d, without=w) <= self.settings.target_wait_seconds / 2
+                and (share <= 0 or self._busy_share(d, without=w) <= share / 2)
+                and not (d.waiting_sessions and w.copies[model_id] == RUNG_FULL))
+
     def _unload(self, w: _Worker, m: LoadedModel, for_model: str, idle_only: bool) -> None:
+        spare = idle_only and self._surplus(w, m.model_id)
         del w.loaded[m.model_id]
         del w.copies[m.model_id]
         w.untouchable.add(m.model_id)
         w.available_mib += m.held_mib
-        idle = f"idle {self.now - m.last_used:,.0f} s" if idle_only else (
-            f"least recently used, last used {self.now - m.last_used:,.0f} s ago")
+        idle = (f"a spare copy, last used {self.now - m.last_used:,.0f} s ago" if spare
+                else f"idle {self.now - m.last_used:,.0f} s" if idle_only else
+                f"least recently used, last used {self.now - m.last_used:,.0f} s ago")
         self.actions.append(PlacementAction(
             UNLOAD, w.state.worker_id, m.model_id, None,
             f"unload: frees {m.held_mib:,} MiB for {for_model} ({idle}, holds no job or session)"))

@@ -117,6 +117,17 @@ EVENT_CASES = [
                  [("load", "w1", "anime", "full")], id="it-serves-waiting-sessions-first"),
     pytest.param([jobs("xl", n=50)], [worker("w1", 0, held("xl", mib=9_800)), worker("w2", 20_000)], [],
                  id="it-adds-no-second-copy-on-an-event"),
+    pytest.param([sessions("sd")], [worker("w1", 0, held("sd")), worker("w2", 3_000)],
+                 [("load", "w2", "sd", "full")],
+                 id="it-adds-a-full-copy-at-once-for-a-session-waiting-with-every-slot-taken"),
+    pytest.param([sessions("sd")], [worker("w1", 0, held("sd")),
+                                    worker("w2", 3_000, loading=[PendingLoad("sd", "full")])],
+                 [], id="it-waits-on-an-event-for-a-full-copy-on-its-way"),
+    pytest.param([jobs("sd")], [worker("w1", 500, held("anime", last_used=NOW - 50)),
+                                worker("w2", 500, held("xl", mib=9_800, last_used=NOW - 50)),
+                                worker("w3", 0, held("anime", busy=True))],
+                 [("unload", "w1", "anime", None), ("load", "w1", "sd", "full")],
+                 id="it-prefers-a-worker-whose-unloads-leave-every-model-a-copy"),
 ]
 
 
@@ -137,9 +148,44 @@ PERIODIC_CASES = [
                                       worker("w2", 1_000, held("sd", last_used=NOW - 299))], [],
                  id="it-unloads-for-another-copy-only-models-idle-for-the-idle-seconds"),
     pytest.param([jobs("xl", n=50)], [worker("w1", 0, held("xl", mib=9_800)),
-                                      worker("w2", 1_000, held("sd", last_used=NOW - 300))],
-                 [("unload", "w2", "sd", None), ("load", "w2", "xl", "group_offload")],
+                                      worker("w2", 3_000, held("sd", last_used=NOW - 300))],
+                 [("unload", "w2", "sd", None), ("load", "w2", "xl", "model_offload")],
                  id="it-unloads-an-idle-copy-when-its-memory-is-wanted"),
+    # group offload's step is 3.7x full's: a copy there for throughput makes every job on it late
+    pytest.param([jobs("xl", n=50)], [worker("w1", 0, held("xl", mib=9_800)), worker("w2", 3_500)], [],
+                 id="it-adds-no-copy-for-throughput-on-a-rung-slower-than-copy-max-step-factor"),
+    # 10 jobs x 30 steps x 75 ms = 22.5 s on full, within 30 s; on group offload 3.7x that
+    pytest.param([jobs("xl", n=10)], [worker("w1", 0, held("xl", rung="group_offload", mib=3_400)),
+                                      worker("w2", 20_000)],
+                 [("load", "w2", "xl", "full")], id="it-counts-a-copy-on-a-slower-rung-for-less"),
+    # 600 steps in the last 60 s x 75 ms: the one copy's worker busy 75 % of the time, above the
+    # 20 % chance of finding every copy busy; two copies: 37.5 % each, 14 % both
+    pytest.param([ModelDemand("xl", recent_steps=600)],
+                 [worker("w1", 0, held("xl", mib=9_800)), worker("w2", 20_000), worker("w3", 20_000)],
+                 [("load", "w2", "xl", "full")],
+                 id="it-adds-a-copy-from-the-trend-before-a-queue-forms"),
+    pytest.param([ModelDemand("xl", recent_steps=100)],
+                 [worker("w1", 0, held("xl", mib=9_800)), worker("w2", 20_000)], [],
+                 id="it-adds-no-copy-while-the-trend-keeps-its-copies-mostly-free"),
+    pytest.param([ModelDemand("xl", recent_steps=600)],
+                 [worker("w1", 0, held("xl", mib=9_800)), worker("w2", 20_000, held("sd", mib=2_700)),
+                  worker("w3", 20_000, held("anime", mib=2_700))],
+                 [("load", "w2", "xl", "full")],
+                 id="it-puts-a-copy-on-the-worker-least-busy-with-other-models-recent-work"),
+    pytest.param([ModelDemand("xl", recent_steps=600), ModelDemand("anime", recent_steps=1_500)],
+                 [worker("w1", 0, held("xl", mib=9_800)), worker("w2", 20_000, held("anime")),
+                  worker("w3", 20_000, held("anime")), worker("w4", 20_000)],
+                 [("load", "w4", "xl", "full")],
+                 id="it-puts-a-copy-where-other-models-recent-work-leaves-room"),
+    pytest.param([jobs("xl", n=50)], [worker("w1", 0, held("xl", mib=9_800)),
+                                      worker("w2", 7_500, held("sd", last_used=NOW - 5)),
+                                      worker("w3", 0, held("sd", busy=True))],
+                 [("unload", "w2", "sd", None), ("load", "w2", "xl", "full")],
+                 id="it-takes-a-spare-copy-however-recently-used-for-another-model"),
+    pytest.param([jobs("xl", n=50), ModelDemand("sd", recent_steps=3_000)],
+                 [worker("w1", 0, held("xl", mib=9_800)), worker("w2", 7_500, held("sd", last_used=NOW - 5)),
+                  worker("w3", 0, held("sd", busy=True))], [("load", "w2", "xl", "model_offload")],
+                 id="it-keeps-a-second-copy-its-models-trend-wants-and-takes-a-lower-rung"),
     pytest.param([], [worker("w1", 0, held("sd", last_used=0.0))], [],
                  id="it-unloads-nothing-when-no-other-model-wants-the-memory"),
     pytest.param([sessions("sd", 2)], [worker("w1", 0, held("sd")), worker("w2", 3_000)],
@@ -228,7 +274,7 @@ def fleets(draw) -> list[WorkerState]:
 
 
 demands = st.lists(st.builds(ModelDemand, st.sampled_from(MODELS), st.integers(0, 60), st.integers(0, 3_000),
-                             st.integers(0, 4)), max_size=5, unique_by=lambda d: d.model_id)
+                             st.integers(0, 4), st.integers(0, 3_000)), max_size=5, unique_by=lambda d: d.model_id)
 plans = st.tuples(demands, fleets(), st.booleans())
 
 
@@ -289,7 +335,8 @@ def test_it_never_asks_a_worker_in_back_off_draining_or_without_the_model(plan):
             installed = next(m for m in w.installed if m.model_id == a.model_id)
             assert a.rung in installed.needs_mib
             assert a.model_id in wanted
-            if wanted[a.model_id].waiting_sessions and not wanted[a.model_id].queued_steps:
+            d = wanted[a.model_id]
+            if d.waiting_sessions and not (d.queued_jobs or d.queued_steps):
                 assert a.rung == "full"
 
 
