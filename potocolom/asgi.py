@@ -45,10 +45,13 @@ def rebuild_queue_at_start() -> None:
 if settings.QUEUE_REBUILD_AT_START:
     threading.Thread(target=rebuild_queue_at_start, name="queue-rebuild", daemon=True).start()
 if settings.DEAD_WORKER_SWEEP:
-    # Dead workers are found by every served process, whether or not a socket is open on it.
+    # Dead workers are found by every served process, whether or not a socket is open on it; so
+    # is placement planned (PLACEMENT=demand), on its events and every PLACEMENT_SECONDS.
+    from workers.placement_runner import placement_start  # noqa: E402
     from workers.sweeper import dead_worker_sweep_start  # noqa: E402
 
     dead_worker_sweep_start()
+    placement_start()
 
 application = ProtocolTypeRouter({
     "http": django_http_app,

@@ -93,6 +93,16 @@ WORKER_HEARTBEAT_SECONDS = envfloat("WORKER_HEARTBEAT_SECONDS", 10.0)
 # A v2 worker sends a running job's checkpoint this often (welcome.checkpoint_seconds): what the
 # job resumes from if its worker dies. 0: never (a dead worker's jobs then restart from step 0).
 JOB_CHECKPOINT_SECONDS = envint("JOB_CHECKPOINT_SECONDS", 10, minimum=0)
+# Placement across workers (workers.placing): `demand` loads models where work waits and moves them
+# as demand moves; `off` leaves every worker with what it preloaded.
+PLACEMENT = envstr("PLACEMENT", "demand")
+if PLACEMENT not in ("demand", "off"):
+    raise ImproperlyConfigured(f"PLACEMENT must be demand or off, got {PLACEMENT!r}")
+PLACEMENT_SECONDS = envfloat("PLACEMENT_SECONDS", 10.0)  # the periodic rule (copies, idle unloads)
+PLACEMENT_TARGET_WAIT_SECONDS = envfloat("PLACEMENT_TARGET_WAIT_SECONDS", 30.0)
+PLACEMENT_IDLE_SECONDS = envfloat("PLACEMENT_IDLE_SECONDS", 300.0)
+PLACEMENT_MIN_RESIDENCY_SECONDS = envfloat("PLACEMENT_MIN_RESIDENCY_SECONDS", 60.0, minimum=-1.0)
+PLACEMENT_FAILED_LOAD_BACKOFF_SECONDS = envfloat("PLACEMENT_FAILED_LOAD_BACKOFF_SECONDS", 60.0, minimum=-1.0)
 MEMORY_MODE = envstr("MEMORY_MODE", "auto")
 if MEMORY_MODE not in MEMORY_MODES:
     raise ImproperlyConfigured(f"MEMORY_MODE must be one of {', '.join(MEMORY_MODES)}, got {MEMORY_MODE!r}")

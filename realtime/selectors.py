@@ -6,7 +6,7 @@ from datetime import datetime
 from typing import Any
 
 from django.contrib.auth.models import User
-from django.db.models import Count
+from django.db.models import Count, Max
 
 from realtime.admission import admission
 from realtime.models import HOLDING_STATES, RealtimeSession, SessionState, UsageRecord
@@ -55,3 +55,24 @@ def slots_per_model() -> dict[str, tuple[int, int]]:
     used = dict(RealtimeSession.objects.filter(state__in=HOLDING_STATES).order_by().values_list("model_id")
                 .annotate(n=Count("id")))
     return {model_id: (free.get(model_id, 0), used.get(model_id, 0)) for model_id in sorted(free.keys() | used.keys())}
+
+
+def waiting_sessions_per_model() -> dict[str, int]:
+    """Sessions queued for admission (not placing, not live), per model: what placement loads for."""
+    return dict(RealtimeSession.objects.filter(state=SessionState.QUEUED).order_by().values_list("model_id")
+                .annotate(n=Count("id")))
+
+
+def holding_sessions(worker_ids: list[str]) -> set[tuple[str, str]]:
+    """(worker_id, model_id) of the sessions placing or live on these workers: placement never
+    unloads such a model."""
+    rows = RealtimeSession.objects.filter(state__in=HOLDING_STATES, worker_id__in=worker_ids).order_by().values_list(
+        "worker_id", "model_id").distinct()
+    return {(worker_id, model_id) for worker_id, model_id in rows if worker_id}
+
+
+def last_session_use(worker_ids: list[str], *, since: datetime) -> dict[tuple[str, str], datetime]:
+    """When each (worker, model) last ended holding a slot after `since` (its usage records)."""
+    rows = (UsageRecord.objects.filter(worker_id__in=worker_ids, ended_at__gte=since).order_by()
+            .values_list("worker_id", "model_id").annotate(last=Max("ended_at")))
+    return {(worker_id, model_id): last for worker_id, model_id, last in rows}

@@ -15,6 +15,7 @@ from rest_framework.authtoken.models import Token
 from models_registry.selectors import registered_manifests
 from potocolom.protocol.browser import Idle
 from potocolom.protocol.worker import ModelEntry
+from potocolom.signals import work_waiting
 from potocolom.transport.notify import to_socket_after_commit
 from realtime import policy
 from realtime.admission import admission, board
@@ -46,7 +47,9 @@ def session_join(*, account: User, model_id: str, params: dict[str, int], channe
                  now: datetime) -> RealtimeSession:
     """Open a session in the queue, unless the account already holds ACCOUNT_SESSION_LIMIT open
     sessions (queued ones count): SessionLimitReached. The check and the insert are one step."""
-    return admission().join(account=account, model_id=model_id, params=params, channel_name=channel_name, now=now)
+    session = admission().join(account=account, model_id=model_id, params=params, channel_name=channel_name, now=now)
+    work_waiting.send(sender=RealtimeSession, model_id=model_id)  # placement may load it where it has no slot
+    return session
 
 
 def session_close(*, session_id: str, now: datetime) -> None:
@@ -194,3 +197,4 @@ def worker_rung_changed(*, worker_id: str, entry: ModelEntry, channel_name: str,
     """After a demotion: a model without realtime sends its sessions on that worker back to the
     queue, and the worker gets session_end for each."""
     admission().worker_rung_changed(worker_id=worker_id, entry=entry, channel_name=channel_name, now=now)
+

@@ -181,6 +181,30 @@ class Dispatcher:
             worker.draining = True
             return True
 
+    def serve(self, *, worker_id: str, channel_name: str, model_id: str) -> bool:
+        """The worker loaded `model_id` (placement): its jobs may go there from now on. False when
+        that connection is no longer the worker's."""
+        with self.lock:
+            worker = self.workers.get(worker_id)
+            if worker is None or worker.channel_name != channel_name:
+                return False
+            worker.models = worker.models | {model_id}
+            return True
+
+    def withdraw(self, *, worker_id: str, channel_name: str, model_id: str) -> bool:
+        """Before an unload: the worker takes no new job of `model_id`. False (and nothing changes)
+        when it holds a job of it, or that connection is no longer the worker's."""
+        with self.lock:
+            worker = self.workers.get(worker_id)
+            if worker is None or worker.channel_name != channel_name:
+                return False
+            if any(key.model_id == model_id for job_id, key in worker.keys.items() if job_id in worker.held):
+                return False
+            if len(worker.keys.keys() & worker.held) < len(worker.held):
+                return False  # a held job it cannot name the model of: keep the model, to be safe
+            worker.models = worker.models - {model_id}
+            return True
+
     def expired_orphans(self, *, now: datetime) -> dict[str, set[str]]:
         """Take the held jobs of workers that did not come back in time."""
         with self.lock:

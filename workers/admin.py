@@ -6,14 +6,15 @@ from django.db.models import QuerySet
 from django.http import HttpRequest
 
 from scheduling.models import HELD_STATES, Job
-from workers.models import Worker, WorkerToken
+from workers.models import PlacementRecord, Worker, WorkerToken
 from workers.services import worker_tokens_revoke
 
 
 @admin.register(Worker)
 class WorkerAdmin(admin.ModelAdmin):
     # `token`: the credential this worker_id is bound to (None once that token was revoked).
-    list_display = ["worker_id", "token", "connected", "models_served", "jobs_in_flight", "gpu_memory", "last_seen"]
+    list_display = ["worker_id", "token", "connected", "models_served", "models_installed", "jobs_in_flight",
+                    "gpu_memory", "last_seen"]
     list_filter = ["connected"]
     readonly_fields = [f.name for f in Worker._meta.fields]
 
@@ -25,6 +26,18 @@ class WorkerAdmin(admin.ModelAdmin):
             realtime = f", {slots} realtime slots" if m.get("realtime") and slots else ""
             return f"{m['model_id']} ({m.get('rung', '?')}{realtime})"
         return ", ".join(entry(m) for m in worker.served_models)
+
+    @admin.display(description="installed (MiB needed: full / model offload / group offload)")
+    def models_installed(self, worker: Worker) -> str:
+        """What placement may load there (a v2 hello's `installed`); a v1 worker says nothing."""
+        if worker.installed is None:
+            return "not said (placement leaves it as it is)"
+        def entry(m: dict) -> str:
+            needs = m.get("needs_mib") or {}
+            step = f", {m['step_ms']:.0f} ms/step" if isinstance(m.get("step_ms"), (int, float)) else ""
+            return (f"{m.get('model_id')} ({needs.get('full', '?')} / {needs.get('model_offload', '?')} / "
+                    f"{needs.get('group_offload', '?')}{step})")
+        return ", ".join(entry(m) for m in worker.installed) or "none"
 
     @admin.display(description="GPU")
     def gpu_memory(self, worker: Worker) -> str:
@@ -56,3 +69,29 @@ class WorkerTokenAdmin(admin.ModelAdmin):
     def revoke(self, request: HttpRequest, queryset: QuerySet[WorkerToken]) -> None:
         count = worker_tokens_revoke(token_ids=list(queryset.values_list("pk", flat=True)))
         self.message_user(request, f"revoked {count}", messages.SUCCESS)
+
+
+@admin.register(PlacementRecord)
+class PlacementRecordAdmin(admin.ModelAdmin):
+    """What placement asked of workers and why (read-only: placement writes these)."""
+
+    list_display = ["sent_at", "action", "model_id", "worker_id", "rung", "outcome_shown", "duration", "reason"]
+    list_filter = ["action", "outcome", "worker_id"]
+    search_fields = ["model_id", "worker_id", "reason"]
+    readonly_fields = [f.name for f in PlacementRecord._meta.fields]
+
+    @admin.display(description="outcome")
+    def outcome_shown(self, record: PlacementRecord) -> str:
+        text = record.outcome or "waiting"
+        return f"{text}: {record.error}" if record.error else text
+
+    @admin.display(description="duration")
+    def duration(self, record: PlacementRecord) -> str:
+        seconds = record.duration_seconds
+        return "" if seconds is None else f"{seconds:.1f} s"
+
+    def has_add_permission(self, request) -> bool:  # type: ignore[no-untyped-def]
+        return False
+
+    def has_change_permission(self, request, obj=None) -> bool:  # type: ignore[no-untyped-def]
+        return False

@@ -6,3 +6,13 @@ from django.apps import AppConfig
 class WorkersConfig(AppConfig):
     name = "workers"
     verbose_name = "GPU workers"
+
+    def ready(self) -> None:
+        # Work that waits (a job no worker here took, a session queued) makes placement plan soon.
+        from potocolom.signals import work_waiting
+        from workers.placement_runner import placement_wake
+
+        def wake(**_: object) -> None:
+            placement_wake()
+
+        work_waiting.connect(wake, weak=False, dispatch_uid="workers.placement")

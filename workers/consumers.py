@@ -32,10 +32,15 @@ from potocolom.protocol.worker import (
     JobProgress,
     JobResult,
     JobStarted,
+    LoadModel,
+    ModelLoaded,
+    ModelLoadFailed,
+    ModelUnloaded,
     RungChanged,
     SessionAccepted,
     SessionEnded,
     SessionRefused,
+    UnloadModel,
     Welcome,
     WorkerMessage,
     checkpoint_bytes,
@@ -209,6 +214,17 @@ class WorkerConsumer(RelayConsumer):
         elif isinstance(message, RungChanged):
             lifecycle.worker_rung_changed(worker_id=worker_id, entry=message.entry, channel_name=self.channel_name,
                                           now=now)
+        elif isinstance(message, ModelLoaded):
+            log.info("worker %s loaded %s on rung %s", worker_id, message.entry.model_id, message.entry.rung)
+            lifecycle.worker_model_loaded(worker_id=worker_id, entry=message.entry, gpu=message.gpu,
+                                          channel_name=self.channel_name, now=now)
+        elif isinstance(message, ModelLoadFailed):
+            log.warning("worker %s could not load %s: %s", worker_id, message.model_id, message.error)
+            lifecycle.worker_model_load_failed(worker_id=worker_id, model_id=message.model_id, error=message.error,
+                                               gpu=message.gpu, now=now)
+        elif isinstance(message, ModelUnloaded):
+            log.info("worker %s unloaded %s", worker_id, message.model_id)
+            lifecycle.worker_model_unloaded(worker_id=worker_id, model_id=message.model_id, gpu=message.gpu, now=now)
 
     async def on_frame_result(self, result: FrameResult) -> None:
         """A frame goes straight to its browser (no database on this path)."""
@@ -281,6 +297,19 @@ class WorkerConsumer(RelayConsumer):
         if event.get("worker_id") == self.worker_id and not self.lost:
             await database_sync_to_async(jobs.job_preempt_held)(worker_id=self.worker_id or "",
                                                                 job_id=str(event.get("job_id", "")), now=timezone.now())
+
+    async def worker_place(self, event: dict[str, Any]) -> None:
+        """Placement's action for this worker (workers.placing), in the order planned: load_model at
+        once; unload_model only once the model takes no new work here and holds none."""
+        if event.get("worker_id") != self.worker_id or self.lost or self.protocol < PROTOCOL_V2:
+            return
+        model_id = str(event.get("model_id", ""))
+        if event.get("action") == "load":
+            await self.send(text_data=json.dumps(LoadModel(model_id, event.get("rung")).to_wire()))
+            return
+        if await database_sync_to_async(lifecycle.worker_model_unload_begins)(
+                worker_id=self.worker_id or "", model_id=model_id, channel_name=self.channel_name, now=timezone.now()):
+            await self.send(text_data=json.dumps(UnloadModel(model_id).to_wire()))
 
     async def socket_send(self, event: dict[str, Any]) -> None:
         """A message for the worker from a service (job, cancel, session_start, session_end). A

@@ -11,21 +11,24 @@ from channels.db import database_sync_to_async
 from django.conf import settings
 from django.utils import timezone
 
+from potocolom import metrics
 from potocolom.protocol.worker import PROTOCOL_V2, Hello, ModelEntry
 from realtime import selectors as session_reads
 from realtime import services as sessions
 from scheduling import selectors as job_reads
 from scheduling import services as jobs
 from scheduling.policy import QueuedJob
-from workers import selectors, services
+from workers import placing, selectors, services
 from workers.models import WorkerToken
+from workers.placement_runner import placement_wake
 from workers.services import HelloRecord
 
 
 def worker_arrives(*, hello: Hello, token: WorkerToken, channel_name: str, now: datetime) -> HelloRecord:
     """Record a hello (before the welcome goes out)."""
     return services.worker_hello(worker_id=hello.worker_id, token=token, gpu=hello.gpu, models=hello.models,
-                                 channel_name=channel_name, now=now)
+                                 channel_name=channel_name, now=now, installed=hello.installed,
+                                 protocol=hello.protocol)
 
 
 def worker_connected(*, hello: Hello, channel_name: str, arrival: HelloRecord, now: datetime) -> str | None:
@@ -39,6 +42,7 @@ def worker_connected(*, hello: Hello, channel_name: str, arrival: HelloRecord, n
                                         listed=hello.jobs if hello.protocol >= PROTOCOL_V2 else None)
     sessions.worker_slots_set(worker_id=worker_id, channel_name=channel_name, models=arrival.served,
                               previous_channel=arrival.previous_channel, now=now)
+    placement_soon()  # what it has installed may be what waiting work wants
     return replaced
 
 
@@ -60,6 +64,9 @@ def worker_lost(*, worker_id: str, channel_name: str, now: datetime) -> None:
     still_current = services.worker_channel_clear(worker_id=worker_id, channel_name=channel_name)
     sessions.worker_sessions_return(worker_id=worker_id, channel_name=channel_name, still_current=still_current,
                                     now=now)
+    if still_current:
+        placing.connection_ended(worker_id=worker_id, now=now)
+        placement_soon()  # its models may be wanted elsewhere now
 
 
 def worker_draining(*, worker_id: str, channel_name: str, now: datetime) -> None:
@@ -71,6 +78,7 @@ def worker_draining(*, worker_id: str, channel_name: str, now: datetime) -> None
     for entry in services.worker_draining_set(worker_id=worker_id, channel_name=channel_name):
         closed = ModelEntry(entry.model_id, entry.rung)  # no realtime: no slot, sessions sent back
         sessions.worker_rung_changed(worker_id=worker_id, entry=closed, channel_name=channel_name, now=now)
+    placement_soon()  # its models may be wanted elsewhere now
 
 
 def worker_rung_changed(*, worker_id: str, entry: ModelEntry, channel_name: str, now: datetime) -> None:
@@ -78,6 +86,54 @@ def worker_rung_changed(*, worker_id: str, entry: ModelEntry, channel_name: str,
     slot go back to the queue."""
     services.worker_rung_set(worker_id=worker_id, entry=entry)
     sessions.worker_rung_changed(worker_id=worker_id, entry=entry, channel_name=channel_name, now=now)
+
+
+# --- placement (workers.placing decides; these apply the workers' answers) -------------------------
+
+def placement_soon() -> None:
+    """Plan placement again soon, on this process's placement thread (workers.sweeper)."""
+    placement_wake()
+
+
+def worker_model_loaded(*, worker_id: str, entry: ModelEntry, gpu: Any, channel_name: str, now: datetime) -> None:
+    """model_loaded: the worker serves the model from now on: its jobs are dispatched there and its
+    realtime slots join admission."""
+    registered, seconds = placing.model_loaded(worker_id=worker_id, entry=entry, gpu=gpu, now=now)
+    metrics.model_load_finished(model_id=entry.model_id, outcome="loaded", seconds=seconds)
+    if registered:
+        jobs.worker_model_serve(worker_id=worker_id, channel_name=channel_name, model_id=entry.model_id, now=now)
+        sessions.worker_rung_changed(worker_id=worker_id, entry=entry, channel_name=channel_name, now=now)
+    placement_soon()
+
+
+def worker_model_load_failed(*, worker_id: str, model_id: str, error: str, gpu: Any, now: datetime) -> None:
+    """model_load_failed: nothing was sent there for it; placement tries another worker."""
+    seconds = placing.model_load_failed(worker_id=worker_id, model_id=model_id, error=error, gpu=gpu, now=now)
+    metrics.model_load_finished(model_id=model_id, outcome="failed", seconds=seconds)
+    placement_soon()
+
+
+def worker_model_unload_begins(*, worker_id: str, model_id: str, channel_name: str, now: datetime) -> bool:
+    """Before unload_model goes out: the model takes no new job or session there. False (the unload
+    is not sent, and the model keeps serving) when the worker holds a job of it or a session on it."""
+    if not jobs.worker_model_withdraw(worker_id=worker_id, channel_name=channel_name, model_id=model_id):
+        placing.unload_kept(worker_id=worker_id, model_id=model_id, why="it held a job by then", now=now)
+        return False
+    if (worker_id, model_id) in session_reads.holding_sessions([worker_id]):
+        jobs.worker_model_serve(worker_id=worker_id, channel_name=channel_name, model_id=model_id, now=now)
+        placing.unload_kept(worker_id=worker_id, model_id=model_id, why="it held a session by then", now=now)
+        return False
+    entry = placing.model_withdrawn(worker_id=worker_id, model_id=model_id)
+    if entry is not None:
+        closed = ModelEntry(entry.model_id, entry.rung)  # no slot: admission places nothing there
+        sessions.worker_rung_changed(worker_id=worker_id, entry=closed, channel_name=channel_name, now=now)
+    return True
+
+
+def worker_model_unloaded(*, worker_id: str, model_id: str, gpu: Any, now: datetime) -> None:
+    """model_unloaded: its memory is free for what placement planned with it."""
+    placing.model_unloaded(worker_id=worker_id, model_id=model_id, gpu=gpu, now=now)
+    placement_soon()
 
 
 class DispatchSoon:
@@ -122,8 +178,13 @@ def queues_snapshot() -> dict[str, Any]:
     queued, held = job_reads.queue_snapshot()
     sessions_now = session_reads.sessions_snapshot()
     realtime = sessions_now["workers"]
-    workers = [{"worker_id": w.worker_id, "gpu": w.gpu, "models": w.served_models, "jobs": held.get(w.worker_id, []),
+    now = timezone.now()
+    connected = {w.worker_id for w in selectors.connected_workers(seconds=4 * settings.WORKER_HEARTBEAT_SECONDS,
+                                                                  now=now)}
+    workers = [{"worker_id": w.worker_id, "gpu": w.gpu, "models": w.served_models, "installed": w.installed,
+                "draining": w.draining, "jobs": held.get(w.worker_id, []),
                 "slots": realtime.get(w.worker_id, {}).get("slots", []),
                 "sessions": realtime.get(w.worker_id, {}).get("sessions", [])}
-               for w in selectors.workers_by_id(list(held.keys() | realtime.keys()))]
-    return {"jobs": queued, "sessions": sessions_now["sessions"], "workers": workers}
+               for w in selectors.workers_by_id(list(held.keys() | realtime.keys() | connected))]
+    return {"jobs": queued, "sessions": sessions_now["sessions"], "workers": workers,
+            "placement": placing.placement_log(now=now)}

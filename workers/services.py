@@ -11,7 +11,9 @@ from typing import Any
 from django.db import transaction
 
 from models_registry.selectors import registered_ids
+from potocolom.protocol.entries import InstalledEntry
 from potocolom.protocol.worker import ModelEntry
+from workers import placing
 from workers.errors import WorkerIdTaken
 from workers.models import Worker, WorkerToken, hash_token
 from workers.selectors import silence_cutoff
@@ -59,27 +61,29 @@ class HelloRecord:
 
 
 def worker_hello(*, worker_id: str, token: WorkerToken, gpu: Any, models: tuple[ModelEntry, ...], channel_name: str,
-                 now: datetime) -> HelloRecord:
+                 now: datetime, installed: tuple[InstalledEntry, ...] | None = None,
+                 protocol: int = 1) -> HelloRecord:
     """Record a worker's hello on the socket at `channel_name`. The worker_id belongs to the token
     that first said hello with it (until that token is revoked): WorkerIdTaken for another token,
-    and nothing changes."""
+    and nothing changes. A v2 hello's `installed` is kept for placement (None: it said nothing)."""
     registered = registered_ids([m.model_id for m in models])
     served = [m for m in models if m.model_id in registered]
     unknown = [m.model_id for m in models if m.model_id not in registered]
     fields = {"token": token, "connected": True, "gpu": gpu, "served_models": [m.to_wire() for m in served],
               "unknown_models": unknown, "connected_at": now, "last_seen": now, "channel_name": channel_name,
               "draining": False}
+    wire_installed = None if installed is None else [entry.to_wire() for entry in installed]
     with transaction.atomic():
         # Locked (or created: a second token racing to create it finds it here, bound) before the check.
         worker, created = Worker.objects.select_for_update().get_or_create(worker_id=worker_id, defaults=fields)
-        if created:
-            return HelloRecord(served, unknown, "")
-        if worker.token_id not in (None, token.pk) and worker_token_holds(token_id=worker.token_id):
+        if not created and worker.token_id not in (None, token.pk) and worker_token_holds(token_id=worker.token_id):
             raise WorkerIdTaken(f"worker_id {worker_id} belongs to another worker token")
-        previous = worker.channel_name
+        previous = "" if created else worker.channel_name
         for name, value in fields.items():
             setattr(worker, name, value)
-        worker.save(update_fields=list(fields))
+        placing.placement_hello(worker, installed=wire_installed, protocol=protocol)
+        worker.save(update_fields=[*fields, "installed", "protocol", "placement"])
+        placing.connection_ended(worker_id=worker_id, now=now)
     return HelloRecord(served, unknown, previous)
 
 

@@ -66,3 +66,4 @@ _sweeper = DeadWorkerSweeper()
 def dead_worker_sweep_start() -> bool:
     """Start this process's sweep (a no-op when it runs already)."""
     return _sweeper.start()
+

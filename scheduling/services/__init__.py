@@ -35,6 +35,8 @@ from scheduling.services.worker_jobs import (
     worker_jobs_connect,
     worker_jobs_disconnect,
     worker_jobs_drain,
+    worker_model_serve,
+    worker_model_withdraw,
 )
 
 __all__ = [
@@ -72,4 +74,6 @@ __all__ = [
     "worker_jobs_connect",
     "worker_jobs_disconnect",
     "worker_jobs_drain",
+    "worker_model_serve",
+    "worker_model_withdraw",
 ]

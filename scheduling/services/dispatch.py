@@ -16,6 +16,7 @@ from django.db import connection
 from django.utils.crypto import salted_hmac
 
 from potocolom import metrics
+from potocolom.signals import work_waiting
 from potocolom.protocol.worker import MAX_CHECKPOINT_CHARS, PROTOCOL_V2, JobOrder, Preempt, Resume
 from potocolom.transport import relay
 from potocolom.transport.notify import to_socket_after_commit
@@ -134,6 +135,8 @@ def jobs_dispatch_or_wake(*, queued: Collection[QueuedJob], now: datetime) -> li
     assignments = jobs_dispatch(now=now)
     taken = {assignment.job.job_id for assignment in assignments}
     waiting = jobs_make_room([job for job in queued if job.job_id not in taken], now=now)
+    for model_id in sorted({job.model_id for job in waiting}):
+        work_waiting.send(sender=QueuedJob, model_id=model_id)  # placement may load it somewhere
     if dispatcher().shared and waiting:
         # every process with a worker looks at the shared queue again (`jobs.available`)
         relay.group_send_others_sync(WORKERS_GROUP, {"type": "jobs.available",

@@ -106,3 +106,15 @@ def orphans_sweep(*, now: datetime) -> None:
             expired.setdefault(worker_id or "", set()).add(str(job_id))
     for held in expired.values():
         jobs_return(job_ids=held, now=now)
+
+
+def worker_model_serve(*, worker_id: str, channel_name: str, model_id: str, now: datetime) -> None:
+    """The worker loaded `model_id` (placement): its queued jobs may go there, and are dispatched now."""
+    if dispatcher().serve(worker_id=worker_id, channel_name=channel_name, model_id=model_id):
+        jobs_dispatch(now=now)
+
+
+def worker_model_withdraw(*, worker_id: str, channel_name: str, model_id: str) -> bool:
+    """Before placement unloads `model_id` there: no new job of it goes to the worker. False when
+    the worker holds one (the unload must not be sent)."""
+    return dispatcher().withdraw(worker_id=worker_id, channel_name=channel_name, model_id=model_id)

@@ -1,0 +1,11 @@
+"""Signals between the apps where the one that knows must not import the one that acts: scheduling
+and realtime say that work waits (a job no worker of this process took, a session queued), and
+workers' placement (workers.placing) plans again soon. Sent from sync code; receivers must return
+at once (no database, no network: they only wake a thread)."""
+from __future__ import annotations
+
+from django.dispatch import Signal
+
+# kwargs: model_id (str). Sent when a job was queued that no worker of this process took, and when
+# a session joined the admission queue.
+work_waiting = Signal()
