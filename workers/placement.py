@@ -36,6 +36,10 @@ class PlacementSettings:
     # another copy, before a queue forms; 0 turns it off. A share of 0.5 keeps the chance that a
     # job queues behind another low (M/D/c), which a job budget of a few times its own run needs.
     copy_max_step_factor: float = 2.0  # the periodic rule adds no copy on a rung slower than this (group offload)
+    # 0: the target wait is PLACEMENT_TARGET_WAIT_SECONDS alone; N > 0: at most N of the model's
+    # queued jobs' own run on full (an operator's choice for an SLO counted in a job's own time).
+    target_wait_jobs: float = 0.0
+    retire_slow_copies: bool = False  # see _Plan.retire_slow_copies: beyond the contract, off by default
     demand_window_seconds: float = 60.0
     copy_busy_share: float = 0.2
 
@@ -169,6 +173,8 @@ def plan_placement(demand: Iterable[ModelDemand], workers: Iterable[WorkerState]
     plan.rule_1()
     if periodic:
         plan.rule_2()
+        if settings.retire_slow_copies:
+            plan.retire_slow_copies()
     return plan.actions
 
 
@@ -245,17 +251,55 @@ class _Plan:
                     break
             self._more_full_for_sessions(d, idle_only=True)
 
+    def retire_slow_copies(self) -> None:
+        """Unload idle copies on a rung slower than `copy_max_step_factor` that their model can do
+        without (a faster copy carries its work): the dispatcher sends a job to any free copy, and
+        one there runs late for sure. Beyond the contract's rule 2 (which unloads only for another
+        model's memory), hence off unless `retire_slow_copies`."""
+        for w in self.workers:
+            for m in sorted(w.loaded.values(), key=lambda m: (m.last_used, m.model_id)):
+                installed = w.installed.get(m.model_id)
+                step_ms = installed.step_ms if installed and installed.step_ms else self.settings.default_step_ms
+                if (m.busy or m.model_id in w.untouchable or w.state.draining
+                        or (m.loaded_at is not None and self.now - m.loaded_at < self.settings.min_residency_seconds)
+                        or self._factor(m.model_id, m.rung, step_ms) <= self.settings.copy_max_step_factor
+                        or not any(o is not w and o.copies[m.model_id] == RUNG_FULL for o in self._copies(m.model_id))
+                        or not self._surplus(w, m.model_id)):
+                    continue
+                del w.loaded[m.model_id]
+                del w.copies[m.model_id]
+                w.untouchable.add(m.model_id)
+                w.available_mib += m.held_mib
+                self.actions.append(PlacementAction(
+                    UNLOAD, w.state.worker_id, m.model_id, None,
+                    f"unload: a spare copy on {m.rung}, slower than a full copy elsewhere that carries its work"))
+
     def _short_of_copies(self, d: ModelDemand) -> str | None:
         """Why `d`'s model wants another copy now (the reason for the log), or None."""
-        target = self.settings.target_wait_seconds
+        target = self._target_wait(d)
         if (wait := self._wait_seconds(d)) > target:
             return (f"{d.queued_steps} queued steps are {wait:,.1f} s of work over "
                     f"{self._copies_text(d.model_id)}, above the {target:g} s target wait")
         share = self.settings.copy_busy_share
         if share > 0 and (busy := self._busy_share(d)) > share:
-            return (f"{d.recent_steps} steps came in the last {self.settings.demand_window_seconds:g} s, "
-                    f"{busy:.0%} of what {self._copies_text(d.model_id)} can do, above {share:.0%}")
+            return (f"{d.recent_steps} steps came in the last {self.settings.demand_window_seconds:g} s: "
+                    f"a job finds {self._copies_text(d.model_id)} busy {busy:.0%} of the time, above {share:.0%}")
         return None
+
+    def _target_wait(self, d: ModelDemand) -> float:
+        """The target wait for `d`'s model: PLACEMENT_TARGET_WAIT_SECONDS, or less when
+        `target_wait_jobs` is set: that many of its queued jobs' standalone run on rung full (a job
+        waiting longer than a few of its own runs is late whatever the fleet-wide target says)."""
+        target = self.settings.target_wait_seconds
+        if self.settings.target_wait_jobs > 0 and d.queued_jobs and d.queued_steps:
+            step_ms = self._step_ms(d.model_id)
+            target = min(target, self.settings.target_wait_jobs * d.queued_steps / d.queued_jobs * step_ms / 1000.0)
+        return target
+
+    def _step_ms(self, model_id: str) -> float:
+        """The model's step on full as its workers measured it (the smallest), else the default."""
+        measured = [m.step_ms for w in self.workers if (m := w.installed.get(model_id)) and m.step_ms]
+        return min(measured) if measured else self.settings.default_step_ms
 
     def _more_full_for_sessions(self, d: ModelDemand, *, idle_only: bool) -> None:
         """One more full copy for sessions still waiting while every full copy is in place (a
@@ -333,10 +377,11 @@ class _Plan:
 
     def _place(self, model_id: str, why: str, *, full_only: bool, idle_only: bool) -> bool:
         """Plan one new copy of `model_id` on the best worker that can take it; False when none can."""
-        choices = [c for w in self.workers if (c := self._choice(w, model_id, full_only, idle_only))]
+        choices = [c for w in self.workers for c in self._choices(w, model_id, full_only, idle_only)]
         if not choices:
             return False
-        best = min(choices, key=lambda c: (RUNGS.index(c.rung), round(self._worker_load(c.worker, c.unloads), 2),
+        best = min(choices, key=lambda c: (self._slow(model_id, c.rung), self._last_copies(c.unloads),
+                                           RUNGS.index(c.rung), round(self._worker_load(c.worker, c.unloads), 2),
                                            _busy(c.worker), self._last_copies(c.unloads),
                                            len(c.unloads),
                                            -(c.worker.available_mib + sum(m.held_mib for m in c.unloads)
@@ -351,14 +396,15 @@ class _Plan:
         self.actions.append(PlacementAction(LOAD, w.state.worker_id, model_id, best.rung, f"load: {why}"))
         return True
 
-    def _choice(self, w: _Worker, model_id: str, full_only: bool, idle_only: bool) -> _Choice | None:
-        """The highest rung `w` can give `model_id` (and the unloads it takes), or None when `w` may
-        not or cannot take it."""
+    def _choices(self, w: _Worker, model_id: str, full_only: bool, idle_only: bool) -> list[_Choice]:
+        """Each rung `w` can give `model_id` (with the unloads each takes), highest first; none when
+        `w` may not or cannot take it."""
         installed = w.installed.get(model_id)
         if (installed is None or w.state.draining or model_id in w.copies or model_id in w.untouchable
                 or self._backing_off(w, model_id)):
-            return None
+            return []
         spare = self._evictable(w, idle_only)
+        out = []
         for rung in (RUNG_FULL,) if full_only else RUNGS:
             if rung not in installed.needs_mib:
                 continue
@@ -373,12 +419,16 @@ class _Plan:
                 unloads.append(m)
                 short -= m.held_mib
             if short <= 0:
-                return _Choice(w, rung, _needed(unloads, short))
-        return None
+                out.append(_Choice(w, rung, _needed(unloads, short)))
+        return out
+
+    def _slow(self, model_id: str, rung: str) -> bool:
+        """A job of `model_id` on `rung` runs more than `copy_max_step_factor` times its run on full."""
+        return self._factor(model_id, rung, self._step_ms(model_id)) > self.settings.copy_max_step_factor
 
     def _last_copies(self, unloads: list[LoadedModel]) -> int:
         """How many of these unloads take a model's last copy (its next job or session waits for a load)."""
-        return sum(1 for m in unloads if len(self._copies(m.model_id)) <= 1)
+        return sum(1 for m in unloads if self._ready(m.model_id) <= 1)
 
     def _backing_off(self, w: _Worker, model_id: str) -> bool:
         failed_at = w.state.failed_loads.get(model_id)
@@ -399,7 +449,7 @@ class _Plan:
                 continue
             if idle_only and self.now - m.last_used < self.settings.idle_seconds:
                 continue
-            if m.model_id in self.wanted and (idle_only or len(self._copies(m.model_id)) <= 1):
+            if m.model_id in self.wanted and (idle_only or self._ready(m.model_id) <= 1):
                 continue
             out.append(m)
         return sorted(out, key=lambda m: (m.last_used, m.model_id))
@@ -408,13 +458,13 @@ class _Plan:
         """`w`'s copy of `model_id` is one its model can do without: another copy stays, and
         without this one neither its queued work nor its recent arrivals would want a copy back
         (so the periodic rule may take it for another model however recently it ran)."""
-        if len(self._copies(model_id)) <= 1:
+        if self._ready(model_id) <= 1:
             return False
         d = self.models.get(model_id)
         if d is None:
             return True
         share = self.settings.copy_busy_share  # half the thresholds: no copy taken that would be wanted back soon
-        return (self._wait_seconds(d, without=w) <= self.settings.target_wait_seconds / 2
+        return (self._wait_seconds(d, without=w) <= self._target_wait(d) / 2
                 and (share <= 0 or self._busy_share(d, without=w) <= share / 2)
                 and not (d.waiting_sessions and w.copies[model_id] == RUNG_FULL))
 
@@ -437,6 +487,11 @@ class _Plan:
         """Workers taking work that hold `model_id` (loaded or loading, not being unloaded)."""
         return [w for w in self.workers if not w.state.draining and model_id in w.copies
                 and (not full_only or w.copies[model_id] == RUNG_FULL)]
+
+    def _ready(self, model_id: str) -> int:
+        """How many copies of `model_id` are loaded (not loading) on workers taking work: a model's
+        last ready copy is not taken while another is still on its way."""
+        return sum(1 for w in self._copies(model_id) if model_id in w.loaded)
 
     def _pending_full(self, model_id: str) -> bool:
         """A full copy of `model_id` is on its way (sent earlier or planned now)."""
