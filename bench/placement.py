@@ -249,7 +249,8 @@ class Fleet:
     job at a time (the oldest queued of its loaded models), its session slots on rung full, and a
     loader doing its loads and unloads one at a time, in the order sent, beside the jobs."""
 
-    def __init__(self, specs: Sequence[ModelSpec], n_workers: int, vram_mib: int, rng: random.Random) -> None:
+    def __init__(self, specs: Sequence[ModelSpec], n_workers: int, vram_mib: int, rng: random.Random,
+                 window: float = PlacementSettings().demand_window_seconds) -> None:
         self.specs = {s.model_id: s for s in specs}
         self.installed = tuple(InstalledModel(s.model_id, s.needs_mib, s.step_ms) for s in specs)
         self.rng = rng
@@ -258,7 +259,7 @@ class Fleet:
         self.seq = itertools.count()
         self.queued: dict[str, deque[Job]] = {s.model_id: deque() for s in specs}
         self.arrived: dict[str, deque[Job]] = {s.model_id: deque() for s in specs}  # within the demand window
-        self.window = PlacementSettings().demand_window_seconds
+        self.window = window  # what the API counts as recent arrivals (ModelDemand.recent_steps)
         self.waiting: dict[str, deque[Session]] = {s.model_id: deque() for s in specs}
         self.workers = [SimWorker(f"w{i:02d}", vram_mib) for i in range(n_workers)]
         self.loads = 0
@@ -465,7 +466,7 @@ def replay(name: str, args: argparse.Namespace, settings: PlacementSettings) -> 
     specs = model_specs(args.models, args.rungs.split(","))
     arrivals = trace(rng, specs, duration=args.duration, job_rate=args.job_rate, phase=args.phase,
                      session_rate=args.session_rate, spike_every=args.spike_every)
-    fleet = Fleet(specs, args.workers, args.vram_mib, random.Random(args.seed + 1))
+    fleet = Fleet(specs, args.workers, args.vram_mib, random.Random(args.seed + 1), settings.demand_window_seconds)
     started = time.perf_counter()
     fleet.run(arrivals, POLICIES[name](settings), duration=args.duration)
     jobs = [a for _, a in arrivals if isinstance(a, Job)]
@@ -507,22 +508,30 @@ def main() -> None:
                         help="also replay the planner tuned for the SLO: this target wait ... (0: not)")
     parser.add_argument("--also-target-wait-jobs", type=float, default=2.0,
                         help="... and at most this many of a job's own run (the SLO gives 3x: 2 runs of wait)")
+    parser.add_argument("--retire", action=argparse.BooleanOptionalAction, default=True,
+                        help="also replay the tuned planner retiring spare slow copies (beyond the contract)")
     args = parser.parse_args()
     settings = PlacementSettings(target_wait_seconds=args.target_wait, target_wait_jobs=args.target_wait_jobs)
+    tuned = PlacementSettings(target_wait_seconds=args.also_target_wait,
+                              target_wait_jobs=args.also_target_wait_jobs)
 
     print(f"trace: seed {args.seed}, {args.workers} workers x {args.vram_mib:,} MiB, {args.models} models, "
           f"{args.duration:,.0f} s (+ up to {DRAIN_SECONDS:,.0f} s to drain), jobs {args.job_rate:g}/s + spikes, "
           f"sessions {args.session_rate:.3g}/s; rungs {args.rungs}; "
-          f"planner target wait {settings.target_wait_seconds:g} s")
+          f"planner: PLACEMENT_TARGET_WAIT_SECONDS={settings.target_wait_seconds:g}, target_wait_jobs="
+          f"{settings.target_wait_jobs:g}, the rest the contract's defaults")
     offered(args)
     results = {name: replay(name, args, settings) for name in POLICIES}
     if args.also_target_wait:  # the same planner with the settings an operator would pick for this SLO
-        tuned = PlacementSettings(target_wait_seconds=args.also_target_wait, target_wait_jobs=args.also_target_wait_jobs)
-        also = replay("planner", args, tuned)
-        results["also"] = replace(also, policy="tuned")
-        print(f"tuned: the planner with PLACEMENT_TARGET_WAIT_SECONDS={args.also_target_wait:g} and "
-              f"target_wait_jobs={args.also_target_wait_jobs:g} (a copy more once queued work per copy passes "
-              f"{args.also_target_wait_jobs:g} of its jobs' own runs)")
+        results["tuned"] = replace(replay("planner", args, tuned), policy="tuned")
+        print(f"tuned: the planner with PLACEMENT_TARGET_WAIT_SECONDS={tuned.target_wait_seconds:g} and "
+              f"target_wait_jobs={tuned.target_wait_jobs:g}: a copy more once queued work per copy passes "
+              f"{tuned.target_wait_jobs:g} of its jobs' own runs on full (the 3x SLO leaves 2 runs of wait)")
+        if args.retire:
+            results["retire"] = replace(replay("planner", args, replace(tuned, retire_slow_copies=True)),
+                                        policy="tuned+ret")
+            print("tuned+ret: tuned, and spare copies on a rung slower than 2x full unloaded at once "
+                  "(retire_slow_copies: beyond the contract's rule 2, for information)")
     print(f"{'policy':<11} {'jobs':>6} {'late':>6} {'sessions':>8} {'late':>5} {'attainment':>10} "
           f"{'loads':>6} {'failed':>6} {'loads/h':>8} {'gpu busy':>8} {'wall s':>7}")
     for r in results.values():
@@ -534,7 +543,7 @@ def main() -> None:
     for r in results.values():
         print(f"  {r.policy:<11} " + ", ".join(f"{why} {r.late_why[why]}" for why in reasons if r.late_why[why]))
     lru = results["lru"]
-    for key in ("planner", "also"):
+    for key in ("planner", "tuned", "retire"):
         if key in results:
             goals(results[key], lru)
 
@@ -560,10 +569,11 @@ def offered(args: argparse.Namespace) -> None:
     jobs = sum(by_id[a.model_id].seconds(RUNG_FULL) for _, a in arrivals if isinstance(a, Job))
     sessions = sum(a.seconds * SESSION_GPU_SHARE for _, a in arrivals if isinstance(a, Session))
     capacity = args.workers * args.duration
-    per_minute: Counter[int] = Counter()
+    per_minute: dict[int, float] = {}
     for t, a in arrivals:
         if isinstance(a, Job):
-            per_minute[int(t // 60)] += by_id[a.model_id].seconds(RUNG_FULL)
+            minute = int(t // 60)
+            per_minute[minute] = per_minute.get(minute, 0.0) + by_id[a.model_id].seconds(RUNG_FULL)
     peak = max(per_minute.values(), default=0.0) / (args.workers * 60)
     print(f"offered load: jobs {jobs / capacity:.1%} + sessions {sessions / capacity:.1%} = "
           f"{(jobs + sessions) / capacity:.1%} of the fleet's {args.workers} GPUs on rung full "
