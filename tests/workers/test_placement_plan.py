@@ -117,6 +117,14 @@ EVENT_CASES = [
                  [("load", "w1", "anime", "full")], id="it-serves-waiting-sessions-first"),
     pytest.param([jobs("xl", n=50)], [worker("w1", 0, held("xl", mib=9_800)), worker("w2", 20_000)], [],
                  id="it-adds-no-second-copy-on-an-event"),
+    pytest.param([jobs("sd"), jobs("anime")], [worker("w1", 500, held("anime")),
+                                               worker("w2", 0, loading=[PendingLoad("anime", "full")])], [],
+                 id="it-does-not-take-a-models-last-ready-copy-while-another-is-loading"),
+    pytest.param([jobs("xl")], [worker("w1", 7_500, held("sd"))], [("load", "w1", "xl", "model_offload")],
+                 id="it-takes-a-lower-rung-that-is-fast-enough-before-a-models-last-copy"),
+    pytest.param([jobs("xl")], [worker("w1", 7_500, held("sd")), worker("w3", 0, held("sd"))],
+                 [("unload", "w1", "sd", None), ("load", "w1", "xl", "full")],
+                 id="it-takes-a-copy-that-is-not-the-last-for-rung-full"),
     pytest.param([sessions("sd")], [worker("w1", 0, held("sd")), worker("w2", 3_000)],
                  [("load", "w2", "sd", "full")],
                  id="it-adds-a-full-copy-at-once-for-a-session-waiting-with-every-slot-taken"),
@@ -203,6 +211,48 @@ def test_it_plans_periodically_by_rules_1_and_2(demand, workers, expected):
     assert brief(plan_placement(demand, workers, now=NOW, periodic=True)) == expected
 
 
+def test_it_counts_the_target_wait_in_the_jobs_own_runs_when_told():
+    # 3 jobs x 30 steps x 75 ms = 6.75 s of work on one copy: within 30 s, above 2 runs of 2.25 s
+    fleet = [worker("w1", 0, held("xl", mib=9_800)), worker("w2", 20_000)]
+
+    assert plan_placement([jobs("xl", n=3)], fleet, now=NOW, periodic=True) == []
+    tuned = plan_placement([jobs("xl", n=3)], fleet, now=NOW, periodic=True,
+                           settings=PlacementSettings(target_wait_jobs=2.0))
+    assert brief(tuned) == [("load", "w2", "xl", "full")]
+    assert "above the 4.5 s target wait" in tuned[0].reason
+
+
+RETIRE = PlacementSettings(retire_slow_copies=True)
+
+
+def test_it_retires_a_spare_copy_on_a_slow_rung_only_when_told():
+    fleet = [worker("w1", 0, held("xl", mib=9_800)),
+             worker("w2", 0, held("xl", rung="group_offload", mib=3_400, last_used=NOW - 5))]
+
+    assert plan_placement([], fleet, now=NOW, periodic=True) == []
+    assert brief(plan_placement([], fleet, now=NOW, periodic=True, settings=RETIRE)) == [("unload", "w2", "xl", None)]
+    assert plan_placement([], fleet, now=NOW, settings=RETIRE) == []  # the periodic rule only
+
+
+@pytest.mark.parametrize("fleet", [
+    pytest.param([worker("w1", 0, held("xl", rung="model_offload", mib=5_600)),
+                  worker("w2", 0, held("xl", rung="group_offload", mib=3_400))], id="no-full-copy-elsewhere"),
+    pytest.param([worker("w1", 0, held("xl", mib=9_800)),
+                  worker("w2", 0, held("xl", rung="group_offload", mib=3_400, busy=True))], id="busy"),
+    pytest.param([worker("w1", 0, held("xl", mib=9_800)),
+                  worker("w2", 0, held("xl", rung="group_offload", mib=3_400, loaded_at=NOW - 30))],
+                 id="within-its-minimum-residency"),
+])
+def test_it_retires_no_slow_copy_that_is_busy_recent_or_the_fastest_left(fleet):
+    assert plan_placement([], fleet, now=NOW, periodic=True, settings=RETIRE) == []
+
+
+def test_it_retires_no_slow_copy_its_models_work_still_wants():
+    fleet = [worker("w1", 0, held("xl", mib=9_800)), worker("w2", 0, held("xl", rung="group_offload", mib=3_400))]
+
+    assert plan_placement([jobs("xl", n=30)], fleet, now=NOW, periodic=True, settings=RETIRE) == []
+
+
 def test_it_uses_the_default_step_time_until_a_step_is_measured():
     unmeasured = replace(XL, step_ms=None)
     fleet = [worker("w1", 0, held("xl", mib=9_800), installed=(unmeasured,)),
@@ -275,7 +325,9 @@ def fleets(draw) -> list[WorkerState]:
 
 demands = st.lists(st.builds(ModelDemand, st.sampled_from(MODELS), st.integers(0, 60), st.integers(0, 3_000),
                              st.integers(0, 4), st.integers(0, 3_000)), max_size=5, unique_by=lambda d: d.model_id)
-plans = st.tuples(demands, fleets(), st.booleans())
+# the contract's defaults, and the settings the bench tunes for a 3x SLO (with the opt-in retire)
+TUNINGS = (PlacementSettings(), PlacementSettings(target_wait_jobs=2.0, retire_slow_copies=True))
+plans = st.tuples(demands, fleets(), st.booleans(), st.sampled_from(TUNINGS))
 
 
 def memory_left(w: WorkerState, actions: list[PlacementAction]) -> float:
@@ -293,8 +345,8 @@ def memory_left(w: WorkerState, actions: list[PlacementAction]) -> float:
 @settings(max_examples=300, deadline=None)
 @given(plans)
 def test_it_never_plans_past_reported_free_memory(plan):
-    demand, fleet, periodic = plan
-    actions = plan_placement(demand, fleet, now=NOW, periodic=periodic)
+    demand, fleet, periodic, tuning = plan
+    actions = plan_placement(demand, fleet, now=NOW, periodic=periodic, settings=tuning)
     for w in fleet:
         if w.free_mib is not None and any(a.worker_id == w.worker_id for a in actions):
             assert memory_left(w, actions) >= 0
@@ -303,9 +355,9 @@ def test_it_never_plans_past_reported_free_memory(plan):
 @settings(max_examples=300, deadline=None)
 @given(plans)
 def test_it_never_unloads_a_busy_model_nor_one_within_its_minimum_residency(plan):
-    demand, fleet, periodic = plan
+    demand, fleet, periodic, tuning = plan
     by_id = {w.worker_id: w for w in fleet}
-    for a in plan_placement(demand, fleet, now=NOW, periodic=periodic):
+    for a in plan_placement(demand, fleet, now=NOW, periodic=periodic, settings=tuning):
         if a.kind == "unload":
             m = next(m for m in by_id[a.worker_id].loaded if m.model_id == a.model_id)
             assert not m.busy
@@ -316,18 +368,19 @@ def test_it_never_unloads_a_busy_model_nor_one_within_its_minimum_residency(plan
 @settings(max_examples=300, deadline=None)
 @given(plans)
 def test_it_never_acts_twice_on_one_model_of_a_worker_in_one_plan(plan):
-    demand, fleet, periodic = plan
-    pairs = [(a.worker_id, a.model_id) for a in plan_placement(demand, fleet, now=NOW, periodic=periodic)]
+    demand, fleet, periodic, tuning = plan
+    actions = plan_placement(demand, fleet, now=NOW, periodic=periodic, settings=tuning)
+    pairs = [(a.worker_id, a.model_id) for a in actions]
     assert len(pairs) == len(set(pairs))
 
 
 @settings(max_examples=300, deadline=None)
 @given(plans)
 def test_it_never_asks_a_worker_in_back_off_draining_or_without_the_model(plan):
-    demand, fleet, periodic = plan
+    demand, fleet, periodic, tuning = plan
     by_id = {w.worker_id: w for w in fleet}
     wanted = {d.model_id: d for d in demand}
-    for a in plan_placement(demand, fleet, now=NOW, periodic=periodic):
+    for a in plan_placement(demand, fleet, now=NOW, periodic=periodic, settings=tuning):
         if a.kind == "load":
             w = by_id[a.worker_id]
             assert not w.draining
@@ -354,15 +407,15 @@ def applied(fleet: list[WorkerState], actions: list[PlacementAction]) -> list[Wo
 @settings(max_examples=300, deadline=None)
 @given(plans)
 def test_it_adds_no_load_when_planning_again_with_its_actions_applied(plan):
-    demand, fleet, periodic = plan
-    first = plan_placement(demand, fleet, now=NOW, periodic=periodic)
-    again = plan_placement(demand, applied(fleet, first), now=NOW, periodic=periodic)
+    demand, fleet, periodic, tuning = plan
+    first = plan_placement(demand, fleet, now=NOW, periodic=periodic, settings=tuning)
+    again = plan_placement(demand, applied(fleet, first), now=NOW, periodic=periodic, settings=tuning)
     assert [a for a in again if a.kind == "load"] == []
 
 
 @settings(max_examples=200, deadline=None)
 @given(plans)
 def test_it_plans_the_same_whatever_the_order_of_its_inputs(plan):
-    demand, fleet, periodic = plan
-    assert plan_placement(demand, fleet, now=NOW, periodic=periodic) == plan_placement(
-        list(reversed(demand)), list(reversed(fleet)), now=NOW, periodic=periodic)
+    demand, fleet, periodic, tuning = plan
+    assert plan_placement(demand, fleet, now=NOW, periodic=periodic, settings=tuning) == plan_placement(
+        list(reversed(demand)), list(reversed(fleet)), now=NOW, periodic=periodic, settings=tuning)
