@@ -17,6 +17,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 
 from potocolom.protocol.errors import MessageError
+from potocolom.protocol.fields import Message
 from potocolom.protocol.rungs import MODE_AUTO
 from potocolom.protocol.worker import (
     PROTOCOL_V2,
@@ -28,11 +29,14 @@ from potocolom.protocol.worker import (
     JobAck,
     JobFailed,
     JobOrder,
+    LoadModel,
+    ModelLoadFailed,
     Preempt,
     RungChanged,
     SessionEnd,
     SessionEnded,
     SessionStart,
+    UnloadModel,
     Welcome,
     parse_api_message,
 )
@@ -40,6 +44,7 @@ from workers.gpu.connection import Backoff, TokenRefused, WorkerConfig, auth_hea
 from workers.gpu.frames import FramePipeline, FrameRunner
 from workers.gpu.jobs import DenoiseLoop, Encode, HeldJob, JobTiming, Pipeline, encode_png_b64
 from workers.gpu.limits import Limits
+from workers.gpu.models_on_demand import ModelsOnDemand
 from workers.gpu.outbox import KEPT_WHILE_DOWN, Outbox, Outgoing
 from workers.gpu.sessions import SessionDesk
 from workers.gpu.slots import RealtimeCapacity
@@ -70,6 +75,8 @@ class WorkerClient:
     (what an out-of-memory error may do, see jobs.py); `gpu_info`, when given, is read for each
     hello's `gpu` instead of `config.gpu` (so free memory is current). `limits` caps the images
     frames may declare (default: the environment's); `outbox` bounds the final messages kept.
+    `on_demand` answers load_model and unload_model, and gives the hello its `installed` (None:
+    this worker loads nothing on demand and says nothing of what it has installed).
     """
 
     def __init__(self, config: WorkerConfig, pipelines: Mapping[str, Pipeline], *,
@@ -77,7 +84,7 @@ class WorkerClient:
                  realtime: Mapping[str, RealtimeCapacity] | None = None, memory_mode: str = MODE_AUTO,
                  gpu_info: Callable[[], dict[str, Any] | None] | None = None, limits: Limits | None = None,
                  outbox: Outbox | None = None, keep_timings: int = KEPT_TIMINGS,
-                 drain_seconds: float = DEFAULT_DRAIN_SECONDS):
+                 drain_seconds: float = DEFAULT_DRAIN_SECONDS, on_demand: ModelsOnDemand | None = None):
         self.config = config
         self._gpu_info = gpu_info
         self.url = worker_socket_url(config.api_url)
@@ -100,7 +107,11 @@ class WorkerClient:
                                      encode=encode, clock=clock, frames=self.frames, memory_mode=memory_mode,
                                      demote=self._demote_model, checkpoint_seconds=lambda: self.checkpoint_seconds)
         self.sessions = SessionDesk(cast(Mapping[str, FramePipeline], self.pipelines), realtime or {}, self.frames,
-                                    self._denoiser.wake, clock=clock)
+                                    self._denoiser.wake, clock=clock,
+                                    step_ms=on_demand.catalog.step_ms if on_demand is not None else None)
+        self._on_demand = on_demand
+        if on_demand is not None:
+            on_demand.bind(self)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._outbox_ready: asyncio.Event | None = None
         self._stopped: asyncio.Event | None = None
@@ -119,6 +130,7 @@ class WorkerClient:
             Welcome: self._on_welcome, JobOrder: self._on_job, Cancel: self._on_cancel, JobAck: self._on_job_ack,
             Preempt: self._on_preempt,
             SessionStart: self._on_session_start, SessionEnd: self._on_session_end, FrameOrder: self._on_frame,
+            LoadModel: self._on_load_model, UnloadModel: self._on_unload_model,
         }
 
     @property
@@ -135,12 +147,18 @@ class WorkerClient:
 
     def hello_message(self) -> dict[str, Any]:
         """The first message of every connection: who we are, what we serve on which rung, and
-        (v2) the jobs we hold: running, waiting, or ended with a final message not acknowledged."""
+        (v2) the jobs we hold: running, waiting, or ended with a final message not acknowledged,
+        and every model installed, loaded or not."""
         models = tuple(self.sessions.hello_entry(model_id, pipeline.rung)
                        for model_id, pipeline in self.pipelines.items())
-        gpu = self._gpu_info() if self._gpu_info is not None else self.config.gpu
         jobs = tuple(dict.fromkeys([*self._held, *self._outbox.final_ids]))
-        return Hello(self.config.worker_id, gpu, models, protocol=PROTOCOL_V2, jobs=jobs).to_wire()
+        installed = self._on_demand.installed(self.pipelines) if self._on_demand is not None else None
+        return Hello(self.config.worker_id, self.gpu_now(), models, protocol=PROTOCOL_V2, jobs=jobs,
+                     installed=installed).to_wire()
+
+    def gpu_now(self) -> dict[str, Any] | None:
+        """hello.gpu, and that of model_loaded, model_load_failed, model_unloaded: as it is now."""
+        return self._gpu_info() if self._gpu_info is not None else self.config.gpu
 
     async def run(self) -> None:
         """Serve until stop(), reconnecting forever; raises TokenRefused on close code 4001."""
@@ -151,6 +169,8 @@ class WorkerClient:
         if self._stop_requested:
             return
         self._denoiser.start()
+        if self._on_demand is not None:
+            self._on_demand.start()
         try:
             while not self._stopped.is_set():
                 await self._connect_once()
@@ -163,6 +183,8 @@ class WorkerClient:
                 except TimeoutError:
                     pass
         finally:
+            if self._on_demand is not None:
+                await self._on_demand.stop()
             await asyncio.to_thread(self._denoiser.stop)
             log.info("worker %s stopped", self.config.worker_id)
 
@@ -298,6 +320,7 @@ class WorkerClient:
         finally:
             self._ws = self._welcomed_ws = None
             self.sessions.clear()
+            self._work_ended()
             tasks, self._tasks = self._tasks, []
             for task in tasks:
                 task.cancel()
@@ -359,6 +382,10 @@ class WorkerClient:
         job = HeldJob(job_id=job_id, model_id=model_id, params=message.params, timing=timing,
                       priority=message.priority or 0, account=message.account, resume=message.resume)
         self.timings.append(timing)
+        if self._on_demand is not None and self._on_demand.closing(model_id):  # being unloaded: no new work
+            log.info("job %s (%s) refused: the model is being unloaded", job_id, model_id)
+            self._post(JobFailed(job_id, f"model {model_id!r} is not served by this worker").to_wire(), job)
+            return
         self._held[job_id] = job
         self._denoiser.submit(job)
         log.info("job %s (%s, attempt %s, priority %d%s) received; holding %d", job_id, model_id, message.attempt,
@@ -426,9 +453,37 @@ class WorkerClient:
 
     def _on_session_end(self, message: SessionEnd) -> None:
         self.sessions.end(message.session_id)
+        self._work_ended()
 
     def _on_frame(self, message: FrameOrder) -> None:
         self.sessions.frame(message)
+
+    # --- models loaded on demand (models_on_demand.py) ----------------------------------------
+
+    def _on_load_model(self, message: LoadModel) -> None:
+        if self._on_demand is None:
+            self.send_message(ModelLoadFailed(message.model_id, "this worker loads no model on demand", self.gpu_now()))
+            return
+        self._on_demand.ask_load(message.model_id, message.rung)
+
+    def _on_unload_model(self, message: UnloadModel) -> None:
+        if self._on_demand is None:
+            log.warning("unload_model %s: this worker unloads no model on demand", message.model_id)
+            return
+        self._on_demand.ask_unload(message.model_id)
+
+    def model_work(self, model_id: str) -> tuple[int, int]:
+        """(jobs held, live sessions) of a model: it is not unloaded while it has any."""
+        return (sum(1 for job in self._held.values() if job.model_id == model_id),
+                len(self.sessions.table.of_model(model_id)))
+
+    def send_message(self, message: Message) -> None:
+        """On the event loop: a message that is no job's (dropped while the connection is down)."""
+        self._enqueue(Outgoing(message.type, json.dumps(message.to_wire()), None))
+
+    def _work_ended(self) -> None:
+        if self._on_demand is not None:
+            self._on_demand.work_ended()
 
     # --- the memory ladder ----------------------------------------------------------------------
 
@@ -545,6 +600,7 @@ class WorkerClient:
         if self._held.get(job.job_id) is job:
             del self._held[job.job_id]
             self._drain_moved()
+            self._work_ended()
             return True
         return False
 

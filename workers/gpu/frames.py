@@ -219,8 +219,9 @@ class FrameRunner:
         self.runs: collections.deque[tuple[float, int]] = collections.deque(maxlen=keep_runs)
         self.max_image_pixels = max_image_pixels
         self.busy_seconds = 0.0
-        self._pipelines = pipelines
+        self._pipelines = dict(pipelines)
         self._max_batch = dict(max_batch)
+        self._batch_cap: int | None = None  # --max-batch, for models added later too
         self._last_ran: dict[str, float] = {}  # session_id -> clock when its latest frame's batch ended
         self._last_end = 0.0  # clock when the latest batch ended
         self._last_call_seconds = 0.0  # the latest batch's pipeline call
@@ -232,6 +233,7 @@ class FrameRunner:
 
     def cap_batches(self, max_batch: int | None) -> None:
         """At most max_batch frames per pipeline call (--max-batch; 1 turns batching off)."""
+        self._batch_cap = max_batch
         self._max_batch = batch_limits(self._max_batch, max_batch)
         if max_batch is not None:
             log.info("realtime frames: at most %d per pipeline call%s", max_batch,
@@ -240,6 +242,18 @@ class FrameRunner:
     @property
     def max_batch(self) -> dict[str, int]:
         return dict(self._max_batch)
+
+    def add_model(self, model_id: str, pipeline: FramePipeline, slots: int) -> None:
+        """On the event loop: a model loaded on demand runs frames in batches of up to its slots
+        (capped as cap_batches said). The tables are replaced, never changed in place: the
+        denoising thread reads them meanwhile."""
+        self._pipelines = {**self._pipelines, model_id: pipeline}
+        self._max_batch = {**self._max_batch, **batch_limits({model_id: slots}, self._batch_cap)}
+
+    def remove_model(self, model_id: str) -> None:
+        """On the event loop: an unloaded model runs no more frames (and is referenced no more)."""
+        self._pipelines = {m: p for m, p in self._pipelines.items() if m != model_id}
+        self._max_batch = {m: n for m, n in self._max_batch.items() if m != model_id}
 
     def run_pending(self, *, gather: bool = True) -> int:
         """On the denoising thread: run the pending frames, batched; return the batches run.

@@ -1,5 +1,6 @@
-"""Start a GPU worker from its options: find the installed models, load them onto the ladder,
-measure their realtime slots, connect and serve until SIGINT or SIGTERM. No Django here."""
+"""Start a GPU worker from its options: find the installed models, load those it preloads onto the
+ladder, measure their step time and realtime slots, connect and serve (loading and unloading more
+when the API asks: models_on_demand.py) until SIGINT or SIGTERM. No Django here."""
 from __future__ import annotations
 
 import asyncio
@@ -14,11 +15,11 @@ from potocolom.protocol.manifests import ManifestError
 from potocolom.protocol.rungs import MEMORY_MODES, RUNG_FULL
 from workers.gpu.client import WorkerClient
 from workers.gpu.connection import WorkerConfig
-from workers.gpu.installed import UnknownModelError, discover_models
+from workers.gpu.installed import InstalledModel, UnknownModelError, discover_models, parse_model_ids
 from workers.gpu.limits import Limits
-from workers.gpu.loading import load_pipelines
+from workers.gpu.loading import load_pipelines, measure_step_ms, placed_now, realtime_capacity
+from workers.gpu.models_on_demand import InstalledCatalog, ModelsOnDemand, dtype_bytes_for
 from workers.gpu.pipelines import InjectedOutOfMemory, PipelineLoadError
-from workers.gpu.slots import describe, measure_capacity
 from workers.gpu.vram import VramBudget, device_index
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,36 @@ class WorkerOptions:
     max_batch: int | None = None  # --max-batch: at most this many frames per pipeline call (1: batching off)
     limits: Limits | None = None  # MAX_IMAGE_PIXELS, MAX_IMAGE_SIDE, MAX_STEPS (None: from the environment)
     drain_seconds: float = 30.0  # --drain-seconds: SIGTERM gives everything back and exits within this
+    preload: list[str] | None = None  # --preload: None (all) every model of --models, [] (none) none, or these
+
+
+PRELOAD_ALL, PRELOAD_NONE = "all", "none"
+
+
+def parse_preload(text: str) -> list[str] | None:
+    """`--preload all` (None: every installed model), `none` ([]), or model ids, comma-separated;
+    ValueError for anything else."""
+    if text.strip() == PRELOAD_ALL:
+        return None
+    if text.strip() == PRELOAD_NONE:
+        return []
+    ids = parse_model_ids(text)
+    if not ids or PRELOAD_ALL in ids or PRELOAD_NONE in ids:
+        raise ValueError(f"--preload must be all, none or model ids, comma-separated; got {text!r}")
+    return ids
+
+
+def preloaded(models: list[InstalledModel], preload: list[str] | None) -> list[InstalledModel]:
+    """The models to load at start, in load order; WorkerStartError for an id not installed."""
+    if preload is None:
+        return models
+    by_id = {model.model_id: model for model in models}
+    unknown = [model_id for model_id in preload if model_id not in by_id]
+    if unknown:
+        raise WorkerStartError(f"--preload names model(s) not installed (after --models): {', '.join(unknown)} "
+                               f"(installed: {', '.join(by_id) or 'none'})")
+    wanted = set(preload)
+    return [model for model in models if model.model_id in wanted]
 
 
 def default_device() -> str:
@@ -74,12 +105,21 @@ def measure_realtime(pipelines: dict[str, Any], budget_ms: float) -> dict[str, A
     """Each full-rung img2img model's RealtimeCapacity (slots.measure_capacity), by model_id."""
     capacities = {}
     for model_id, pipeline in pipelines.items():
-        if pipeline.rung != RUNG_FULL or pipeline.frames is None:
-            continue
-        capacity = measure_capacity(pipeline, pipeline.model.params_schema, pipeline.default_size, budget_ms)
-        log.info("%s", describe(model_id, capacity, budget_ms))
-        capacities[model_id] = capacity
+        capacity = realtime_capacity(model_id, pipeline, budget_ms)
+        if capacity is not None:
+            capacities[model_id] = capacity
     return capacities
+
+
+def measure_step_times(pipelines: dict[str, Any]) -> dict[str, float]:
+    """Each full-rung model's step time (loading.measure_step_ms), by model_id."""
+    step_ms = {}
+    for model_id, pipeline in pipelines.items():
+        if pipeline.rung == RUNG_FULL and (measured := measure_step_ms(pipeline)) is not None:
+            log.info("%s: one denoising step at %dx%d takes %.1f ms", model_id, pipeline.default_size,
+                     pipeline.default_size, measured)
+            step_ms[model_id] = measured
+    return step_ms
 
 
 def build_client(options: WorkerOptions) -> Any:
@@ -91,6 +131,7 @@ def build_client(options: WorkerOptions) -> Any:
         raise WorkerStartError(str(exc)) from exc
     if not models:
         raise WorkerStartError(f"no models installed in {options.models_dir} (expected DIR/*/manifest.json)")
+    preload = preloaded(models, options.preload)
 
     import torch  # only now: a wrong --models fails before torch's seconds of import
 
@@ -104,27 +145,38 @@ def build_client(options: WorkerOptions) -> Any:
     try:
         limits = options.limits or Limits.from_env()
         fault = InjectedOutOfMemory.from_env()  # a test seam: None unless POTOCOLOM_TEST_OOM is set
-        loaded = load_pipelines(models, device, mode=options.memory_mode, budget=budget, fault=fault, limits=limits)
+        loaded = load_pipelines(preload, device, mode=options.memory_mode, budget=budget, fault=fault, limits=limits)
     except (PipelineLoadError, ValueError) as exc:
         raise WorkerStartError(str(exc)) from exc
     pipelines = loaded.pipelines
-    if not pipelines:
+    catalog = InstalledCatalog.read(models, dtype_bytes=dtype_bytes_for(device), max_side=limits.max_image_side)
+    if not preload:
+        log.info("--preload none: connecting with no model loaded; %d installed, loaded when the API asks",
+                 len(models))
+    elif not pipelines:
         # It stays connected with nothing to serve (an empty models list): the operator sees it in
         # the API, and a restart with more memory or smaller models is all it takes.
         reasons = "; ".join(f"{model_id}: {why}" for model_id, why in loaded.refused.items())
         log.error("no model fits this worker's memory (%s); connecting with none to serve", reasons)
+    catalog.step_ms.update(measure_step_times(pipelines))
     realtime = measure_realtime(pipelines, options.frame_budget_ms) if options.realtime else {}
     worker_id = options.worker_id or default_worker_id(device)
+    on_demand = ModelsOnDemand(catalog, device=device, budget=budget, memory_mode=options.memory_mode,
+                               frame_budget_ms=options.frame_budget_ms if options.realtime else None, fault=fault,
+                               limits=limits)
+    client: WorkerClient | None = None
 
     def current_gpu() -> dict[str, Any] | None:
-        """hello.gpu now: a demoted model no longer holds its weights against a --vram-mib budget."""
-        budget.held_bytes = sum(p.footprint.resident_bytes(p.rung) for p in pipelines.values() if p.footprint)
+        """hello.gpu now: a demoted or unloaded model no longer holds its weights against a
+        --vram-mib budget, and one loaded on demand does (the client's pipelines, once it exists)."""
+        budget.held_bytes = placed_now(client.pipelines if client is not None else pipelines).resident_bytes
         return budget.gpu_info()
 
     try:
         config = WorkerConfig(api_url=options.api, token=options.token, worker_id=worker_id, gpu=current_gpu())
         client = WorkerClient(config, pipelines, realtime=realtime, memory_mode=options.memory_mode,
-                              gpu_info=current_gpu, limits=limits, drain_seconds=options.drain_seconds)
+                              gpu_info=current_gpu, limits=limits, drain_seconds=options.drain_seconds,
+                              on_demand=on_demand)
     except ValueError as exc:
         raise WorkerStartError(str(exc)) from exc
     client.frames.cap_batches(options.max_batch)

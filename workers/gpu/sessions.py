@@ -105,7 +105,7 @@ class SessionDesk:
 
     def __init__(self, pipelines: Mapping[str, FramePipeline], capacities: Mapping[str, RealtimeCapacity],
                  runner: FrameRunner, wake: Callable[[], None], *, clock: Callable[[], float],
-                 rng: random.Random | None = None):
+                 rng: random.Random | None = None, step_ms: Mapping[str, float] | None = None):
         # Realtime only on the full-residency rung, and only with a slot to give.
         self.capacities = {model_id: capacity for model_id, capacity in capacities.items()
                            if model_id in pipelines and pipelines[model_id].rung == RUNG_FULL}
@@ -115,13 +115,33 @@ class SessionDesk:
         self._wake = wake
         self._clock = clock
         self._rng = rng
+        self._step_ms = step_ms if step_ms is not None else {}  # measured on the full rung, by model_id
 
     def hello_entry(self, model_id: str, rung: str) -> ModelEntry:
-        """The model's entry in hello.models."""
+        """The model's entry in hello.models (and rung_changed, model_loaded): step_ms only on the
+        full rung, where it was measured."""
         capacity = self.capacities.get(model_id)
         realtime = capacity is not None and capacity.realtime
         return ModelEntry(model_id, rung, realtime, capacity.frame_ms_p95 if capacity is not None else None,
-                          capacity.slots if capacity is not None and realtime else 0)
+                          capacity.slots if capacity is not None and realtime else 0,
+                          self._step_ms.get(model_id) if rung == RUNG_FULL else None)
+
+    def add_model(self, model_id: str, rung: str, capacity: RealtimeCapacity | None) -> None:
+        """A model loaded on demand (already among the pipelines) takes sessions: on rung full,
+        with the slots it was measured to have."""
+        if capacity is not None and rung == RUNG_FULL:
+            self.capacities[model_id] = capacity
+            self.table.slots[model_id] = capacity.slots
+
+    def close_model(self, model_id: str) -> RealtimeCapacity | None:
+        """No new session on the model (it is unloaded once its live ones end); its capacity, to
+        give back to add_model should the model stay after all."""
+        return self.capacities.pop(model_id, None)
+
+    def remove_model(self, model_id: str) -> None:
+        """The model is unloaded (it has no live session): it is forgotten here."""
+        self.capacities.pop(model_id, None)
+        self.table.slots.pop(model_id, None)
 
     def holds(self, session_id: str) -> bool:
         return self.table.get(session_id) is not None
@@ -166,7 +186,7 @@ class SessionDesk:
         self._runner.drop_session(session_id)
         if session is not None:
             log.info("session %s (%s) ended; %d of %d slot(s) in use", session_id, session.model_id,
-                     self.table.in_use(session.model_id), self.table.slots[session.model_id])
+                     self.table.in_use(session.model_id), self.table.slots.get(session.model_id, 0))
 
     def demote(self, model_id: str, rung: str) -> None:
         """The model moved to `rung`: below full it serves no sessions here, and its live ones end

@@ -59,6 +59,9 @@ class Command(BaseCommand):
                             or getattr(settings, "MODELS_DIR", None) or str(Path(settings.BASE_DIR) / "models"),
                             help="folder of installed models, DIR/*/manifest.json (default: $MODELS_DIR or models/)")
         parser.add_argument("--models", default=None, help="serve only these model ids, comma-separated")
+        parser.add_argument("--preload", default="all",
+                            help="load at start: all (default) the models of --models, none (the API has "
+                                 "them loaded when it wants them), or these model ids, comma-separated")
         parser.add_argument("--memory-mode", choices=MEMORY_MODES,
                             default=os.environ.get("MEMORY_MODE") or "auto",
                             help="auto: each model on the highest rung that fits, moved down after an "
@@ -87,11 +90,15 @@ class Command(BaseCommand):
         # Imported here: the worker program is not part of the API process.
         from workers.gpu.connection import TokenRefused, resolve_token
         from workers.gpu.installed import parse_model_ids
-        from workers.gpu.main import WorkerOptions, WorkerStartError, run_worker
+        from workers.gpu.main import WorkerOptions, WorkerStartError, parse_preload, run_worker
         from workers.gpu.slots import frame_budget_ms_from_env
 
         try:  # --token, then --token-file, then WORKER_TOKEN
             token = resolve_token(token=options["token"], token_file=options["token_file"], environ=os.environ)
+        except ValueError as exc:
+            raise CommandError(str(exc)) from exc
+        try:
+            preload = parse_preload(options["preload"])
         except ValueError as exc:
             raise CommandError(str(exc)) from exc
         budget_ms = options["frame_budget_ms"]
@@ -105,7 +112,7 @@ class Command(BaseCommand):
             models=parse_model_ids(options["models"]), memory_mode=options["memory_mode"],
             device=options["device"], vram_mib=options["vram_mib"], worker_id=options["worker_id"],
             threads=options["threads"], frame_budget_ms=budget_ms, realtime=not options["no_realtime"],
-            max_batch=options["max_batch"], drain_seconds=options["drain_seconds"])
+            max_batch=options["max_batch"], drain_seconds=options["drain_seconds"], preload=preload)
         try:
             status = run_worker(worker_options)
         except (WorkerStartError, TokenRefused) as exc:
