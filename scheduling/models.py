@@ -67,6 +67,7 @@ class Job(models.Model):
             models.Index(fields=["account", "-created_at"], name="job_account_recent"),
             models.Index(fields=["worker_id", "state"], name="job_worker_state"),
             models.Index(fields=["worker_id", "finished_at"], name="job_worker_finished"),  # placement's last use
+            models.Index(fields=["created_at"], name="job_created"),  # placement's recent arrivals
             models.Index(fields=["account", "model_id", "turn_us"], name="job_account_turns"),
             # ACCOUNT_JOB_LIMIT's count on every submission: only the unfinished rows, so that it reads
             # a handful of entries however many finished jobs the account has (and whatever the

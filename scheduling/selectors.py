@@ -65,6 +65,14 @@ def queued_demand() -> dict[str, tuple[int, int]]:
     return {model_id: (jobs, int(total or 0)) for model_id, jobs, total in rows}
 
 
+def recent_steps(*, since: datetime) -> dict[str, int]:
+    """Steps of the jobs submitted per model since `since`, whatever became of them (placement's
+    trend: what arrives, before a queue forms)."""
+    steps = Coalesce(Cast(KT("params__steps"), IntegerField()), Value(STEPS_UNSAID))
+    rows = Job.objects.filter(created_at__gte=since).order_by().values_list("model_id").annotate(steps=Sum(steps))
+    return {model_id: int(total or 0) for model_id, total in rows}
+
+
 def held_models(worker_ids: list[str]) -> set[tuple[str, str]]:
     """(worker_id, model_id) of the jobs these workers hold (dispatched or running): placement
     never unloads such a model."""

@@ -127,9 +127,10 @@ def placement_run(*, now: datetime, periodic: bool = False) -> list[PlacementAct
         workers = _connected_rows(now)
         if not workers:
             return []
-        demand = _demand()
+        rules = placement_settings()
+        demand = _demand(since=now - timedelta(seconds=rules.demand_window_seconds))
         fleet = _fleet(workers, now=now)
-        actions = plan_placement(demand, fleet, now=epoch(now), periodic=periodic, settings=placement_settings())
+        actions = plan_placement(demand, fleet, now=epoch(now), periodic=periodic, settings=rules)
         by_id = {w.worker_id: w for w in workers}
         for action in actions:
             _record(by_id[action.worker_id], action, now=now)
@@ -147,12 +148,13 @@ def _connected_rows(now: datetime) -> list[Worker]:
                 .exclude(channel_name="").order_by("worker_id"))
 
 
-def _demand() -> list[ModelDemand]:
+def _demand(*, since: datetime) -> list[ModelDemand]:
     jobs = job_reads.queued_demand()
     sessions = session_reads.waiting_sessions_per_model()
+    recent = job_reads.recent_steps(since=since)
     return [ModelDemand(model_id, queued_jobs=jobs.get(model_id, (0, 0))[0], queued_steps=jobs.get(model_id, (0, 0))[1],
-                        waiting_sessions=sessions.get(model_id, 0))
-            for model_id in sorted(jobs.keys() | sessions.keys())]
+                        waiting_sessions=sessions.get(model_id, 0), recent_steps=recent.get(model_id, 0))
+            for model_id in sorted(jobs.keys() | sessions.keys() | recent.keys())]
 
 
 def _fleet(workers: list[Worker], *, now: datetime) -> list[WorkerState]:

@@ -16,4 +16,8 @@ class Migration(migrations.Migration):
             model_name='job',
             index=models.Index(fields=['worker_id', 'finished_at'], name='job_worker_finished'),
         ),
+        migrations.AddIndex(
+            model_name='job',
+            index=models.Index(fields=['created_at'], name='job_created'),
+        ),
     ]

@@ -16,8 +16,8 @@ from django.db import connection
 from django.utils.crypto import salted_hmac
 
 from potocolom import metrics
-from potocolom.signals import work_waiting
 from potocolom.protocol.worker import MAX_CHECKPOINT_CHARS, PROTOCOL_V2, JobOrder, Preempt, Resume
+from potocolom.signals import work_waiting
 from potocolom.transport import relay
 from potocolom.transport.notify import to_socket_after_commit
 from scheduling.checkpoints import checkpoint_read

@@ -179,13 +179,13 @@ class Stack:
             process.proc.wait(10)
         self.processes.remove(process)
 
-    def start_worker(self, token: str, models_dir: Path, *options: str) -> Process:
+    def start_worker(self, token: str, models_dir: Path, *options: str, log_name: str = "worker.log") -> Process:
         """`runworker_gpu` on the CPU, or on STACK_WORKER_DEVICE (`cuda` runs the end-to-end tests'
-        workers on a GPU host)."""
+        workers on a GPU host); its output in `log_name` under the work dir."""
         device = os.environ.get("STACK_WORKER_DEVICE") or "cpu"
         argv = [sys.executable, "manage.py", "runworker_gpu", "--api", self.worker_ws_url, "--token", token,
                 "--device", device, "--models-dir", str(models_dir), *options]
-        return self.launch(Process("runworker_gpu", argv, self.env, self.workdir / "worker.log"))
+        return self.launch(Process("runworker_gpu", argv, self.env, self.workdir / log_name))
 
     def launch(self, process: Process) -> Process:
         self.processes.append(process.start())
