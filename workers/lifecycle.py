@@ -18,7 +18,7 @@ from realtime import services as sessions
 from scheduling import selectors as job_reads
 from scheduling import services as jobs
 from scheduling.policy import QueuedJob
-from workers import placing, selectors, services
+from workers import selectors, services
 from workers.models import WorkerToken
 from workers.placement_runner import placement_wake
 from workers.services import HelloRecord
@@ -65,7 +65,7 @@ def worker_lost(*, worker_id: str, channel_name: str, now: datetime) -> None:
     sessions.worker_sessions_return(worker_id=worker_id, channel_name=channel_name, still_current=still_current,
                                     now=now)
     if still_current:
-        placing.connection_ended(worker_id=worker_id, now=now)
+        services.placement_records_lost(worker_id=worker_id, now=now)
         placement_soon()  # its models may be wanted elsewhere now
 
 
@@ -98,7 +98,7 @@ def placement_soon() -> None:
 def worker_model_loaded(*, worker_id: str, entry: ModelEntry, gpu: Any, channel_name: str, now: datetime) -> None:
     """model_loaded: the worker serves the model from now on: its jobs are dispatched there and its
     realtime slots join admission."""
-    registered, seconds = placing.model_loaded(worker_id=worker_id, entry=entry, gpu=gpu, now=now)
+    registered, seconds = services.worker_model_loaded(worker_id=worker_id, entry=entry, gpu=gpu, now=now)
     metrics.model_load_finished(model_id=entry.model_id, outcome="loaded", seconds=seconds)
     if registered:
         jobs.worker_model_serve(worker_id=worker_id, channel_name=channel_name, model_id=entry.model_id, now=now)
@@ -108,7 +108,7 @@ def worker_model_loaded(*, worker_id: str, entry: ModelEntry, gpu: Any, channel_
 
 def worker_model_load_failed(*, worker_id: str, model_id: str, error: str, gpu: Any, now: datetime) -> None:
     """model_load_failed: nothing was sent there for it; placement tries another worker."""
-    seconds = placing.model_load_failed(worker_id=worker_id, model_id=model_id, error=error, gpu=gpu, now=now)
+    seconds = services.worker_model_load_failed(worker_id=worker_id, model_id=model_id, error=error, gpu=gpu, now=now)
     metrics.model_load_finished(model_id=model_id, outcome="failed", seconds=seconds)
     placement_soon()
 
@@ -117,13 +117,13 @@ def worker_model_unload_begins(*, worker_id: str, model_id: str, channel_name: s
     """Before unload_model goes out: the model takes no new job or session there. False (the unload
     is not sent, and the model keeps serving) when the worker holds a job of it or a session on it."""
     if not jobs.worker_model_withdraw(worker_id=worker_id, channel_name=channel_name, model_id=model_id):
-        placing.unload_kept(worker_id=worker_id, model_id=model_id, why="it held a job by then", now=now)
+        services.worker_unload_kept(worker_id=worker_id, model_id=model_id, why="it held a job by then", now=now)
         return False
     if (worker_id, model_id) in session_reads.holding_sessions([worker_id]):
         jobs.worker_model_serve(worker_id=worker_id, channel_name=channel_name, model_id=model_id, now=now)
-        placing.unload_kept(worker_id=worker_id, model_id=model_id, why="it held a session by then", now=now)
+        services.worker_unload_kept(worker_id=worker_id, model_id=model_id, why="it held a session by then", now=now)
         return False
-    entry = placing.model_withdrawn(worker_id=worker_id, model_id=model_id)
+    entry = services.worker_model_withdrawn(worker_id=worker_id, model_id=model_id)
     if entry is not None:
         closed = ModelEntry(entry.model_id, entry.rung)  # no slot: admission places nothing there
         sessions.worker_rung_changed(worker_id=worker_id, entry=closed, channel_name=channel_name, now=now)
@@ -132,7 +132,7 @@ def worker_model_unload_begins(*, worker_id: str, model_id: str, channel_name: s
 
 def worker_model_unloaded(*, worker_id: str, model_id: str, gpu: Any, now: datetime) -> None:
     """model_unloaded: its memory is free for what placement planned with it."""
-    placing.model_unloaded(worker_id=worker_id, model_id=model_id, gpu=gpu, now=now)
+    services.worker_model_unloaded(worker_id=worker_id, model_id=model_id, gpu=gpu, now=now)
     placement_soon()
 
 
@@ -187,4 +187,4 @@ def queues_snapshot() -> dict[str, Any]:
                 "sessions": realtime.get(w.worker_id, {}).get("sessions", [])}
                for w in selectors.workers_by_id(list(held.keys() | realtime.keys() | connected))]
     return {"jobs": queued, "sessions": sessions_now["sessions"], "workers": workers,
-            "placement": placing.placement_log(now=now)}
+            "placement": selectors.placement_log(now=now)}

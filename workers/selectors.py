@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import connection
 
 from workers.liveness import silent_before, up_for_less_than
-from workers.models import Worker
+from workers.models import PlacementRecord, Worker
 
 _started: weakref.WeakKeyDictionary[Any, datetime] = weakref.WeakKeyDictionary()
 
@@ -89,3 +89,17 @@ def channel_of(worker_id: str | None) -> str | None:
 
 def workers_by_id(worker_ids: list[str]) -> list[Worker]:
     return list(Worker.objects.filter(worker_id__in=worker_ids))
+
+
+SHOWN_RECORDS = timedelta(hours=1)  # what the queues page lists of placement's actions
+MAX_SHOWN_RECORDS = 500
+
+
+def placement_log(*, now: datetime) -> list[dict[str, Any]]:
+    """The placement actions of the last hour, newest first, with reason, outcome and duration."""
+    rows = PlacementRecord.objects.filter(sent_at__gte=now - SHOWN_RECORDS)[:MAX_SHOWN_RECORDS]
+    return [{"at": r.sent_at.isoformat(), "worker_id": r.worker_id, "model_id": r.model_id, "action": r.action,
+             "rung": r.rung or None, "reason": r.reason, "outcome": r.outcome or "waiting",
+             "error": r.error or None,
+             "duration_seconds": None if r.duration_seconds is None else round(r.duration_seconds, 3)}
+            for r in rows]

@@ -12,10 +12,13 @@ from django.db import transaction
 
 from models_registry.selectors import registered_ids
 from potocolom.protocol.entries import InstalledEntry
+from potocolom.protocol.rungs import RUNG_FULL
 from potocolom.protocol.worker import ModelEntry
-from workers import placing
+from potocolom.transport.notify import notify_after_commit
 from workers.errors import WorkerIdTaken
-from workers.models import Worker, WorkerToken, hash_token
+from workers.models import PlacementRecord, Worker, WorkerToken, hash_token
+from workers.placement import LOAD, PlacementAction
+from workers.placement_state import Waiting, epoch, free_mib
 from workers.selectors import silence_cutoff
 
 
@@ -81,9 +84,9 @@ def worker_hello(*, worker_id: str, token: WorkerToken, gpu: Any, models: tuple[
         previous = "" if created else worker.channel_name
         for name, value in fields.items():
             setattr(worker, name, value)
-        placing.placement_hello(worker, installed=wire_installed, protocol=protocol)
+        _placement_hello(worker, installed=wire_installed, protocol=protocol)
         worker.save(update_fields=[*fields, "installed", "protocol", "placement"])
-        placing.connection_ended(worker_id=worker_id, now=now)
+        placement_records_lost(worker_id=worker_id, now=now)
     return HelloRecord(served, unknown, previous)
 
 
@@ -132,3 +135,145 @@ def worker_rung_set(*, worker_id: str, entry: ModelEntry) -> None:
         worker.served_models = [entry.to_wire() if m.get("model_id") == entry.model_id else m
                                 for m in worker.served_models]
         worker.save(update_fields=["served_models"])
+
+
+# --- placement (workers.placing plans; these write what it sent and what the workers answered) ---
+
+WORKER_PLACE = "worker.place"  # the event a worker's consumer turns into load_model / unload_model
+
+
+def placement_action_record(*, worker: Worker, action: PlacementAction, now: datetime) -> None:
+    """Write the action and what the worker row now waits for; the worker's consumer sends it after
+    the commit (in order: a load's unloads first)."""
+    record = PlacementRecord.objects.create(worker_id=worker.worker_id, model_id=action.model_id, action=action.kind,
+                                            rung=action.rung or "", reason=action.reason[:2000], sent_at=now)
+    waiting = Waiting.of(worker.placement)
+    if action.kind == LOAD:
+        waiting.loading[action.model_id] = action.rung or RUNG_FULL
+    elif action.model_id not in waiting.unloading:
+        waiting.unloading.append(action.model_id)
+    worker.placement = waiting.to_json()
+    worker.save(update_fields=["placement"])
+    notify_after_commit(worker.channel_name, {"type": WORKER_PLACE, "worker_id": worker.worker_id,
+                                              "action": action.kind, "model_id": action.model_id,
+                                              "rung": action.rung, "record": record.pk})
+
+
+def placement_records_prune(*, before: datetime) -> int:
+    """Placement records sent before `before` are deleted (the log is bounded); how many."""
+    return int(PlacementRecord.objects.filter(sent_at__lt=before).delete()[0])
+
+
+def _end_record(worker_id: str, model_id: str, action: str, *, outcome: str, now: datetime,
+                error: str = "") -> float | None:
+    """Close the latest waiting record of this action; its duration in seconds (None: none waited)."""
+    record = (PlacementRecord.objects.filter(worker_id=worker_id, model_id=model_id, action=action, outcome="")
+              .order_by("-sent_at", "-id").first())
+    if record is None:
+        return None
+    record.outcome, record.ended_at, record.error = outcome, now, error[:2000]
+    record.save(update_fields=["outcome", "ended_at", "error"])
+    return record.duration_seconds
+
+
+def _locked_row(worker_id: str) -> Worker | None:
+    return Worker.objects.select_for_update().filter(worker_id=worker_id).first()
+
+
+def worker_model_loaded(*, worker_id: str, entry: ModelEntry, gpu: Any, now: datetime) -> tuple[bool, float | None]:
+    """A worker loaded a model: its row serves it (when the API registry knows it) with the free
+    memory it reports; (whether it is a registered model, the load's seconds when the API asked)."""
+    registered = bool(registered_ids([entry.model_id]))
+    with transaction.atomic():
+        worker = _locked_row(worker_id)
+        if worker is None:
+            return False, None
+        waiting = Waiting.of(worker.placement)
+        before = free_mib(worker.gpu)
+        after = free_mib(gpu)
+        waiting.loading.pop(entry.model_id, None)
+        waiting.loaded_at[entry.model_id] = epoch(now)
+        if before is not None and after is not None:
+            waiting.held_mib[entry.model_id] = max(0, before - after)
+        served = [m for m in worker.served_models if m.get("model_id") != entry.model_id]
+        unknown = [m for m in worker.unknown_models if m != entry.model_id]
+        if registered:
+            served.append(entry.to_wire())
+        else:
+            unknown.append(entry.model_id)
+        worker.served_models, worker.unknown_models, worker.gpu = served, unknown, gpu
+        worker.placement = waiting.to_json()
+        worker.save(update_fields=["served_models", "unknown_models", "gpu", "placement"])
+        seconds = _end_record(worker_id, entry.model_id, LOAD, outcome="loaded", now=now)
+    return registered, seconds
+
+
+def worker_model_load_failed(*, worker_id: str, model_id: str, error: str, gpu: Any, now: datetime) -> float | None:
+    """A load failed: that worker is not asked for that model again within the back-off."""
+    with transaction.atomic():
+        worker = _locked_row(worker_id)
+        if worker is None:
+            return None
+        waiting = Waiting.of(worker.placement)
+        waiting.loading.pop(model_id, None)
+        waiting.failed[model_id] = epoch(now)
+        worker.gpu, worker.placement = gpu, waiting.to_json()
+        worker.save(update_fields=["gpu", "placement"])
+        return _end_record(worker_id, model_id, LOAD, outcome="failed", now=now, error=error)
+
+
+def worker_model_withdrawn(*, worker_id: str, model_id: str) -> ModelEntry | None:
+    """Before its unload: the model leaves the worker's served entries (no process places work of
+    it there any more); the entry it had, None when it served no such model."""
+    with transaction.atomic():
+        worker = _locked_row(worker_id)
+        if worker is None:
+            return None
+        entry = next((m for m in worker.served_models if m.get("model_id") == model_id), None)
+        if entry is None:
+            return None
+        worker.served_models = [m for m in worker.served_models if m.get("model_id") != model_id]
+        worker.save(update_fields=["served_models"])
+        return ModelEntry.parse(entry)
+
+
+def worker_unload_kept(*, worker_id: str, model_id: str, why: str, now: datetime) -> None:
+    """The unload was not sent (the model held work by then): the row stops waiting for it."""
+    with transaction.atomic():
+        worker = _locked_row(worker_id)
+        if worker is not None:
+            waiting = Waiting.of(worker.placement)
+            waiting.unloading = [m for m in waiting.unloading if m != model_id]
+            worker.placement = waiting.to_json()
+            worker.save(update_fields=["placement"])
+        _end_record(worker_id, model_id, "unload", outcome="kept", now=now, error=why)
+
+
+def worker_model_unloaded(*, worker_id: str, model_id: str, gpu: Any, now: datetime) -> None:
+    """A worker freed a model: its memory is free (its `gpu` says how much)."""
+    with transaction.atomic():
+        worker = _locked_row(worker_id)
+        if worker is None:
+            return
+        waiting = Waiting.of(worker.placement)
+        waiting.unloading = [m for m in waiting.unloading if m != model_id]
+        waiting.loaded_at.pop(model_id, None)
+        waiting.held_mib.pop(model_id, None)
+        worker.served_models = [m for m in worker.served_models if m.get("model_id") != model_id]
+        worker.gpu, worker.placement = gpu, waiting.to_json()
+        worker.save(update_fields=["served_models", "gpu", "placement"])
+        _end_record(worker_id, model_id, "unload", outcome="unloaded", now=now)
+
+
+def placement_records_lost(*, worker_id: str, now: datetime) -> None:
+    """The worker's connection ended (or a new one said hello): what was sent on it and not answered
+    is recorded as lost; a reconnect's hello says what it has loaded."""
+    PlacementRecord.objects.filter(worker_id=worker_id, outcome="").update(outcome="lost", ended_at=now)
+
+
+def _placement_hello(worker: Worker, *, installed: list[dict[str, Any]] | None, protocol: int) -> None:
+    """Fields a hello sets on the row (saved by the caller): its installed models and protocol, and
+    what placement waits for, reset to the new connection."""
+    waiting = Waiting.of(worker.placement)
+    waiting.keep_only({m.get("model_id") for m in worker.served_models})
+    worker.installed, worker.protocol, worker.placement = installed, protocol, waiting.to_json()
