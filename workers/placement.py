@@ -158,6 +158,16 @@ def plan_placement(demand: Iterable[ModelDemand], workers: Iterable[WorkerState]
     other workers until it does not, unloading for them only copies idle for `idle_seconds`; and
     a model with sessions still waiting while it has full copies and no load pending gets one more.
 
+    Rule 2 counts a copy's throughput by its rung (rung_step_factor, rung_job_seconds) and by the
+    share of its worker that other models' recent arrivals leave; the target wait may be counted in
+    the model's own job runs (target_wait_jobs); with ModelDemand.recent_steps it also adds a copy
+    when a job would find every copy's worker busy more than copy_busy_share of the time (the
+    trend), never on a rung slower than copy_max_step_factor, and may take a spare copy (one its
+    model can do without) however recently used. A session waiting while every full copy's slots
+    are taken gets a full copy at once (on an event too). A load prefers, in order: a rung no slower
+    than copy_max_step_factor, unloads that leave every model a ready copy, the highest rung.
+    With retire_slow_copies (off: beyond the contract) spare copies on slow rungs are unloaded.
+
     Never: past a worker's free memory (pending and planned loads and unloads counted), unloading a
     busy model or an API-loaded one within its minimum residency, asking a worker whose load of that
     model failed within the back-off, asking a draining worker, or two actions for one model on
