@@ -255,10 +255,15 @@ class _Plan:
         before the queue forms); one more full copy for sessions still waiting when every full
         copy is in place (its slots taken)."""
         by_wait = sorted(self.models.values(), key=lambda d: (-self._wait_seconds(d), d.model_id))
+        placed = True
+        while placed:  # again until none is short: a copy placed loads its worker, which another model counted
+            placed = False
+            for d in by_wait:
+                while self._copies(d.model_id) and (why := self._short_of_copies(d)):
+                    if not self._place(d.model_id, why, full_only=False, idle_only=True):
+                        break
+                    placed = True
         for d in by_wait:
-            while self._copies(d.model_id) and (why := self._short_of_copies(d)):
-                if not self._place(d.model_id, why, full_only=False, idle_only=True):
-                    break
             self._more_full_for_sessions(d, idle_only=True)
 
     def retire_slow_copies(self) -> None:
