@@ -1,7 +1,7 @@
 """Signals between the apps where the one that knows must not import the one that acts: scheduling
-and realtime say that work waits (a job no worker of this process took, a session queued), and
-workers' placement (workers.placing) plans again soon. Sent from sync code; receivers must return
-at once (no database, no network: they only wake a thread)."""
+and realtime say that work waits (a job no worker of this process took, a session queued) or ended
+(a model may be idle now), and workers' placement (workers.placing) plans again soon. Sent from
+sync code; receivers must return at once (no database, no network: they only wake a thread)."""
 from __future__ import annotations
 
 from django.dispatch import Signal
@@ -9,3 +9,7 @@ from django.dispatch import Signal
 # kwargs: model_id (str). Sent when a job was queued that no worker of this process took, and when
 # a session joined the admission queue.
 work_waiting = Signal()
+
+# kwargs: worker_id (str). Sent when a worker stopped holding a job (it ended) or a session (closed,
+# idle): memory busy until then may be what a waiting model needs.
+work_ended = Signal()

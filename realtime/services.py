@@ -15,7 +15,7 @@ from rest_framework.authtoken.models import Token
 from models_registry.selectors import registered_manifests
 from potocolom.protocol.browser import Idle
 from potocolom.protocol.worker import ModelEntry
-from potocolom.signals import work_waiting
+from potocolom.signals import work_ended, work_waiting
 from potocolom.transport.notify import to_socket_after_commit
 from realtime import policy
 from realtime.admission import admission, board
@@ -56,6 +56,7 @@ def session_close(*, session_id: str, now: datetime) -> None:
     """The browser socket closed: the session leaves the queue or frees its slot (its worker gets
     session_end), metering stops, and the slot goes to the next session."""
     admission().close(session_id=session_id, now=now)
+    work_ended.send(sender=RealtimeSession, worker_id=None)  # placement: its model may be idle now
 
 
 def session_end(*, session_id: str, now: datetime) -> bool:
@@ -147,6 +148,7 @@ def session_release_idle(*, session_id: str, now: datetime) -> bool:
     if route.browser:
         to_socket_after_commit(route.browser, Idle().to_wire())
     current.admit(now=now)
+    work_ended.send(sender=RealtimeSession, worker_id=route.worker_id)  # placement: its model may be idle now
     return True
 
 

@@ -8,11 +8,12 @@ class WorkersConfig(AppConfig):
     verbose_name = "GPU workers"
 
     def ready(self) -> None:
-        # Work that waits (a job no worker here took, a session queued) makes placement plan soon.
-        from potocolom.signals import work_waiting
+        # Work that waits (a job no worker here took, a session queued) or ends makes placement plan soon.
+        from potocolom.signals import work_ended, work_waiting
         from workers.placement_runner import placement_wake
 
         def wake(**_: object) -> None:
             placement_wake()
 
         work_waiting.connect(wake, weak=False, dispatch_uid="workers.placement")
+        work_ended.connect(wake, weak=False, dispatch_uid="workers.placement.ended")

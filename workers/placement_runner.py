@@ -16,6 +16,7 @@ from django.utils import timezone
 from workers.placing import placement_enabled, placement_run
 
 log = logging.getLogger(__name__)
+MIN_GAP_SECONDS = 0.2  # between two runs of one process's planner
 
 
 class PlacementRunner:
@@ -28,6 +29,7 @@ class PlacementRunner:
                  clock: Callable[[], datetime] = timezone.now, run: Callable[..., object] = placement_run,
                  monotonic: Callable[[], float] = time.monotonic) -> None:
         self.period, self.clock, self.run_once, self.monotonic = period, clock, run, monotonic
+        self.min_gap_seconds = MIN_GAP_SECONDS
         self.woken = threading.Event()
         self.stopped = threading.Event()
         self.thread: threading.Thread | None = None
@@ -64,6 +66,9 @@ class PlacementRunner:
                 if periodic:
                     next_periodic = self.monotonic() + self.period()
                 self.tick(periodic=periodic)
+                # At most one run per gap: a stream of job ends wakes it often, and each run reads
+                # the fleet from the database; what woke it meanwhile is planned after the gap.
+                self.stopped.wait(self.min_gap_seconds)
         finally:
             connection.close()
 

@@ -16,6 +16,7 @@ from django.db.models import F, Value
 from django.db.models.functions import Coalesce
 
 from potocolom import metrics
+from potocolom.signals import work_ended
 from scheduling.checkpoints import checkpoint_discard, checkpoint_save
 from scheduling.dispatcher import dispatcher
 from scheduling.models import HELD_STATES, Job, JobState
@@ -208,6 +209,7 @@ def _let_go(job_id: str, worker_id: str, *, now: datetime) -> bool:
 def _release_and_dispatch(job_id: str, worker_id: str, *, now: datetime) -> None:
     if dispatcher().release(job_id, worker_id=worker_id):
         jobs_dispatch(now=now)
+        work_ended.send(sender=Job, worker_id=worker_id)  # placement: its model may be idle now
 
 
 def job_preempt_held(*, worker_id: str, job_id: str, now: datetime) -> None:

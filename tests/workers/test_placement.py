@@ -241,8 +241,8 @@ async def test_loads_are_counted_on_metrics(alice, placing_workers, staff):
 
     def loads() -> float:
         text = api_client(staff).get("/metrics").content.decode()
-        line = next((l for l in text.splitlines()
-                     if l.startswith('potocolom_model_loads_total{model_id="tiny-b",outcome="loaded"}')), None)
+        line = next((row for row in text.splitlines()
+                     if row.startswith('potocolom_model_loads_total{model_id="tiny-b",outcome="loaded"}')), None)
         return 0.0 if line is None else float(line.rsplit(" ", 1)[1])
 
     before = await database_sync_to_async(loads)()
