@@ -3,11 +3,12 @@ a REST client with token auth, a fake worker socket, and a bounded wait for asyn
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import struct
 import time
 import zlib
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from channels.db import database_sync_to_async
@@ -215,3 +216,21 @@ class FakeWorker:
 
     async def failed(self, job_id: str, error: str) -> None:
         await self.send({"type": "job_failed", "job_id": job_id, "error": error})
+
+
+@contextlib.asynccontextmanager
+async def sockets_of(kind: type, token: str | None) -> AsyncIterator[Callable[..., Any]]:
+    """A factory of worker sockets of `kind` presenting `token` (`make(worker_id)`); every one still
+    open is closed at the end, and the sync thread's connections with them."""
+    made: list[Any] = []
+
+    def make(worker_id: str = "host-a:0") -> Any:
+        made.append(kind(token, worker_id))
+        return made[-1]
+
+    try:
+        yield make
+    finally:
+        for worker in made:
+            await worker.close()
+        await close_sync_thread_connections()

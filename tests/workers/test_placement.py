@@ -12,7 +12,7 @@ import pytest
 from channels.db import database_sync_to_async
 from django.utils import timezone
 
-from tests.helpers import api_client, job_states, register_model, submit_jobs
+from tests.helpers import api_client, job_states, register_model, sockets_of, submit_jobs
 from tests.workers.conftest import V2Worker, hello_v2
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -58,18 +58,8 @@ class PlacingWorker(V2Worker):
 
 @pytest.fixture
 async def placing_workers(token):
-    from tests.helpers import close_sync_thread_connections
-
-    made: list[PlacingWorker] = []
-
-    def make(worker_id: str = "host-a:0") -> PlacingWorker:
-        made.append(PlacingWorker(token, worker_id))
-        return made[-1]
-
-    yield make
-    for worker in made:
-        await worker.close()
-    await close_sync_thread_connections()
+    async with sockets_of(PlacingWorker, token) as make:
+        yield make
 
 
 @database_sync_to_async
