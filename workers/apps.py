@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from django.apps import AppConfig
+from django.db import transaction
 
 
 class WorkersConfig(AppConfig):
@@ -13,7 +14,7 @@ class WorkersConfig(AppConfig):
         from workers.placement_runner import placement_wake
 
         def wake(**_: object) -> None:
-            placement_wake()
+            transaction.on_commit(placement_wake)  # it reads what the sender's transaction writes
 
         work_waiting.connect(wake, weak=False, dispatch_uid="workers.placement")
         work_ended.connect(wake, weak=False, dispatch_uid="workers.placement.ended")

@@ -9,6 +9,7 @@ from typing import Any
 
 from channels.db import database_sync_to_async
 from django.conf import settings
+from django.db import transaction
 from django.utils import timezone
 
 from potocolom import metrics
@@ -91,8 +92,9 @@ def worker_rung_changed(*, worker_id: str, entry: ModelEntry, channel_name: str,
 # --- placement (workers.placing decides; these apply the workers' answers) -------------------------
 
 def placement_soon() -> None:
-    """Plan placement again soon, on this process's placement thread (workers.sweeper)."""
-    placement_wake()
+    """Plan placement again soon, on this process's placement thread (workers.placement_runner),
+    once the current transaction commits (the planner reads what it wrote)."""
+    transaction.on_commit(placement_wake)
 
 
 def worker_model_loaded(*, worker_id: str, entry: ModelEntry, gpu: Any, channel_name: str, now: datetime) -> None:
