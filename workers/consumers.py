@@ -156,7 +156,8 @@ class WorkerConsumer(RelayConsumer):
             return
         self.worker_id, self.protocol, self.seen_written = hello.worker_id, hello.protocol, time.monotonic()
         welcome = Welcome(arrival.unknown, settings.WORKER_HEARTBEAT_SECONDS, settings.FRAME_BUDGET_MS,
-                          protocol=hello.protocol, checkpoint_seconds=float(settings.JOB_CHECKPOINT_SECONDS))
+                          protocol=hello.protocol, checkpoint_seconds=float(settings.JOB_CHECKPOINT_SECONDS),
+                          preview_steps=settings.PREVIEW_STEPS)
         await self.send(text_data=json.dumps(welcome.to_wire()))
         if shared_queue():
             await relay.group_membership(self.channel_layer, jobs.WORKERS_GROUP, self.channel_name)

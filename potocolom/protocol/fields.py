@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 from potocolom.protocol.errors import MessageError
 
 MAX_CHECKPOINT_CHARS = 8 * 2**20  # a checkpoint's base64 text (job_checkpoint, job_preempted, job.resume)
+MAX_PREVIEW_CHARS = 512 * 1024  # a job_progress preview's base64 JPEG (at most 256 px on its long side)
 MAX_STEPS = 100_000  # job_preempted / job_checkpoint `steps`: far above any real schedule
 
 

@@ -11,6 +11,7 @@ from potocolom.protocol.entries import InstalledEntry as InstalledEntry
 from potocolom.protocol.entries import ModelEntry as ModelEntry
 from potocolom.protocol.errors import MessageError
 from potocolom.protocol.fields import MAX_CHECKPOINT_CHARS as MAX_CHECKPOINT_CHARS
+from potocolom.protocol.fields import MAX_PREVIEW_CHARS as MAX_PREVIEW_CHARS
 from potocolom.protocol.fields import MAX_STEPS as MAX_STEPS
 from potocolom.protocol.fields import (
     Message,
@@ -67,10 +68,20 @@ class JobStarted(Message):
 
 @dataclass(frozen=True)
 class JobProgress(Message):
+    """Denoising step `step` of `steps`; v2 may add `preview`, a base64 JPEG of the latents (at most
+    256 px on the long side, at most every `preview_steps`), relayed to the owner and never stored."""
+
     type = "job_progress"
     job_id: str
     step: int
     steps: int
+    preview: str | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        wire: dict[str, Any] = {"type": self.type, "job_id": self.job_id, "step": self.step, "steps": self.steps}
+        if self.preview is not None:
+            wire["preview"] = self.preview
+        return wire
 
 
 @dataclass(frozen=True)
@@ -292,6 +303,14 @@ def _session_refused(message: dict[str, Any]) -> SessionRefused:
     return SessionRefused(uuid_field(message, "session_id"), reason[:REASON_CHARS])
 
 
+def _job_progress(message: dict[str, Any]) -> JobProgress:
+    preview = message.get("preview")
+    if preview is not None and (not isinstance(preview, str) or not preview or len(preview) > MAX_PREVIEW_CHARS):
+        preview = None  # a preview is a nicety: a bad one is dropped, the progress kept
+    return JobProgress(uuid_field(message, "job_id"), int_field(message, "step"), int_field(message, "steps"),
+                       preview)
+
+
 def _frame_result(message: dict[str, Any]) -> FrameResult:
     image = message.get("image")
     if not isinstance(image, str) or not image:
@@ -305,7 +324,7 @@ def _frame_result(message: dict[str, Any]) -> FrameResult:
 _WORKER_PARSERS: dict[str, Callable[[dict[str, Any]], WorkerMessage]] = {
     "hello": _hello,
     "job_started": lambda m: JobStarted(uuid_field(m, "job_id")),
-    "job_progress": lambda m: JobProgress(uuid_field(m, "job_id"), int_field(m, "step"), int_field(m, "steps")),
+    "job_progress": _job_progress,
     "job_result": _job_result,
     "job_failed": _job_failed,
     "job_preempted": _job_preempted,
@@ -351,12 +370,14 @@ class Welcome(Message):
     frame_budget_ms: float | None = None
     protocol: int = PROTOCOL_V1
     checkpoint_seconds: float = 0.0  # v2: JOB_CHECKPOINT_SECONDS, 0 = no periodic job_checkpoint
+    preview_steps: int = 0  # v2: PREVIEW_STEPS, a job_progress preview at most every this many steps (0 = none)
 
     def to_wire(self) -> dict[str, Any]:
         wire: dict[str, Any] = {"type": self.type, "unknown_models": self.unknown_models,
                                 "heartbeat_seconds": self.heartbeat_seconds, "frame_budget_ms": self.frame_budget_ms}
         if self.protocol >= PROTOCOL_V2:
-            wire.update(protocol=self.protocol, checkpoint_seconds=self.checkpoint_seconds)
+            wire.update(protocol=self.protocol, checkpoint_seconds=self.checkpoint_seconds,
+                        preview_steps=self.preview_steps)
         return wire
 
 
@@ -523,10 +544,13 @@ def _welcome(message: dict[str, Any]) -> Welcome:
         protocol = PROTOCOL_V1  # an API that says something odd gets v1
     every = message.get("checkpoint_seconds")
     every = float(every) if not isinstance(every, bool) and isinstance(every, (int, float)) and every > 0 else 0.0
+    previews = message.get("preview_steps")
+    previews = previews if isinstance(previews, int) and not isinstance(previews, bool) and previews > 0 else 0
+    v2 = protocol >= PROTOCOL_V2
     return Welcome([str(m) for m in unknown] if isinstance(unknown, list) else [],
                    float(period) if usable else None,  # type: ignore[arg-type]
                    float(budget) if isinstance(budget, (int, float)) and not isinstance(budget, bool) else None,
-                   protocol, every if protocol >= PROTOCOL_V2 else 0.0)
+                   protocol, every if v2 else 0.0, previews if v2 else 0)
 
 
 def _frame_order(message: dict[str, Any]) -> FrameOrder:

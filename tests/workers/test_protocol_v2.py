@@ -43,7 +43,7 @@ async def test_a_v2_hello_gets_a_v2_welcome(v2_workers):
 
     assert await worker.join(["tiny-a"]) == {"type": "welcome", "unknown_models": [], "heartbeat_seconds": 10.0,
                                              "frame_budget_ms": 500.0, "protocol": 2,
-                                             "checkpoint_seconds": 10.0}
+                                             "checkpoint_seconds": 10.0, "preview_steps": 4}
 
 
 async def test_a_later_protocol_is_answered_in_v2(workers):
