@@ -17,6 +17,7 @@ from potocolom.protocol.browser import DEFAULT_STRENGTH
 from potocolom.protocol.images import FORMATS, ImageRefused, checked_image
 from potocolom.protocol.rungs import RUNG_FULL, RUNG_GROUP_OFFLOAD
 from workers.gpu.checkpoints import Checkpoint, Fingerprint, capture_checkpoint, denoising, fingerprint_for
+from workers.gpu.families import family_of  # noqa: F401  (re-exported: previews pick their map by it)
 from workers.gpu.footprints import default_size
 from workers.gpu.installed import InstalledModel
 from workers.gpu.ladder import Footprint, group_offload_to_disk
