@@ -152,6 +152,7 @@ INSTALLED_APPS = [
     "rest_framework",
     "rest_framework.authtoken",
     "drf_spectacular",
+    "drf_spectacular_sidecar",  # Swagger UI's files for /api/v1/docs/, served from this host
     "channels",
     "models_registry",
     "scheduling",
@@ -279,6 +280,11 @@ SPECTACULAR_SETTINGS = {
     "DESCRIPTION": "Image-generation jobs and realtime drawing sessions on shared GPU workers.",
     "VERSION": "1",
     "SERVE_INCLUDE_SCHEMA": False,
+    # /api/v1/docs/ (Swagger UI) loads its files from this host's /static/ (no CDN), and never asks
+    # swagger.io's online validator about the schema
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "SWAGGER_UI_SETTINGS": {"deepLinking": True, "validatorUrl": "none"},
 }
 
 AUTH_PASSWORD_VALIDATORS = [

@@ -1,11 +1,12 @@
-"""URLs: the REST API under /api/v1/, /metrics, the admin, Django auth, and the drawing page."""
+"""URLs: the REST API under /api/v1/ (its docs page for people at /api/v1/docs/), /metrics, the admin,
+Django auth, and the drawing page."""
 from __future__ import annotations
 
 from django.contrib import admin
 from django.urls import include, path
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema
-from drf_spectacular.views import SpectacularAPIView
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 from rest_framework.decorators import api_view, permission_classes
 from rest_framework.permissions import AllowAny
 from rest_framework.request import Request
@@ -29,7 +30,8 @@ router.register("jobs", JobViewSet, basename="job")
 def api_root(request: Request) -> Response:
     """The API's entry points."""
     return Response({"jobs": "/api/v1/jobs/", "models": "/api/v1/models/", "usage": "/api/v1/usage/",
-                     "queues": "/api/v1/queues/", "schema": "/api/v1/schema/"})
+                     "queues": "/api/v1/queues/", "schema": "/api/v1/schema/",
+                     "docs": "/api/v1/docs/"})
 
 
 urlpatterns = [
@@ -40,6 +42,8 @@ urlpatterns = [
     path("api/v1/queues/", QueuesView.as_view(), name="queues"),
     path("api/v1/usage/", UsageView.as_view(), name="usage"),
     path("api/v1/schema/", SpectacularAPIView.as_view(permission_classes=[AllowAny]), name="schema"),
+    path("api/v1/docs/", SpectacularSwaggerView.as_view(url_name="schema", permission_classes=[AllowAny]),
+         name="api-docs"),
     path("metrics", MetricsView.as_view(), name="metrics"),
     path("admin/", admin.site.urls),
     path("accounts/", include("django.contrib.auth.urls")),
