@@ -1,6 +1,7 @@
 """The drawing page: the canvas, the model picker and the live output, over the session socket."""
 from __future__ import annotations
 
+from django.conf import settings
 from django.contrib.auth.decorators import login_required
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import render
@@ -23,4 +24,5 @@ def drawing_page(request: HttpRequest) -> HttpResponse:
     """The page; the browser opens the session socket itself once a model is picked."""
     models = session_models()
     return render(request, "drawing.html", {"models": models, "default_model": models[0] if models else None,
-                                            "socket_path": SESSION_SOCKET_PATH})
+                                            "socket_path": SESSION_SOCKET_PATH,
+                                            "session_limit": settings.ACCOUNT_SESSION_LIMIT})

@@ -30,6 +30,8 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-backg
                  "--disable-component-update", "--disable-sync"]
 SCREENSHOT = Path("/tmp/drawing.png")
 WAIT_MS = 15_000
+LIVE = "Live: tiny-sd repaints your drawing as you draw."
+LIMITED = re.compile(r"^You already have 2 drawing sessions open .*starts by itself when one of them closes\.$")
 ALICE_PASSWORD = "harbour-lights-at-dusk"  # passes Django's password validators (create_account applies them)
 MANIFESTS = [
     {"model_id": "tiny-sd", "tier": "draft", "cost": 1.0, "capabilities": ["txt2img", "img2img"]},
@@ -155,7 +157,7 @@ def served(tmp_path: Path) -> Iterator[tuple[Stack, FrameWorker]]:
             worker.stop()
 
 
-def test_it_draws_sees_the_output_and_is_told_about_the_session_limit(served: tuple[Stack, FrameWorker]) -> None:
+def test_it_draws_shows_and_saves_the_output_and_recovers_from_the_session_limit(served: tuple[Stack, FrameWorker]) -> None:
     from playwright.sync_api import expect, sync_playwright
 
     stack, worker = served
@@ -177,7 +179,7 @@ def test_it_draws_sees_the_output_and_is_told_about_the_session_limit(served: tu
             options = page.locator("#model option")
             expect(options).to_have_count(2)
             assert page.locator("#model").input_value() == "tiny-sd"
-            expect(page.locator("#status")).to_have_text("live on fake-gpu:0", timeout=WAIT_MS)
+            expect(page.locator("#status")).to_have_text(LIVE, timeout=WAIT_MS)
             assert worker.frames() == [], "a frame was sent before anything was drawn"
 
             # 3. A stroke goes out as a frame; the worker's answer shows as the output image.
@@ -205,17 +207,30 @@ def test_it_draws_sees_the_output_and_is_told_about_the_session_limit(served: tu
             page.wait_for_timeout(1000)
             assert len(worker.frames()) == settled, "frames were sent although nothing changed"
 
-            # 4. A second page of the same account waits for the one slot; a third is refused (4003).
+            # The output can be saved, and the page shows the frames' latency and rate.
+            expect(page.locator("#meter")).to_have_text(re.compile(r"^\d+ ms a frame · \d+\.\d frames/s$"))
+            with page.expect_download() as download:
+                page.click("#save")
+            saved = Path(download.value.path()).read_bytes()
+            assert saved[:8] == b"\x89PNG\r\n\x1a\n" and download.value.suggested_filename.endswith(".png")
+            assert saved == base64.b64decode(page.locator("#output").get_attribute("src").split(",", 1)[1])
+
+            # 4. A second page of the same account waits for the one slot; a third is at the account's
+            # limit (4003) and says so in words.
             second = context.new_page()
             second.goto(f"{stack.http_url}/")
-            expect(second.locator("#status")).to_have_text("queued: position 1", timeout=WAIT_MS)
+            expect(second.locator("#status")).to_have_text("Waiting for a free GPU: you are number 1 in line.",
+                                                           timeout=WAIT_MS)
             third = context.new_page()
             third.goto(f"{stack.http_url}/")
-            expect(third.locator("#status")).to_have_text("closed: you already have two live sessions",
+            expect(third.locator("#status")).to_have_text(LIMITED, timeout=WAIT_MS)
+
+            # 5. The first page closes: the second goes live on the freed slot, and the third, told by
+            # the closing tab, joins the queue by itself.
+            page.close()
+            expect(second.locator("#status")).to_have_text(LIVE, timeout=WAIT_MS)
+            expect(third.locator("#status")).to_have_text("Waiting for a free GPU: you are number 1 in line.",
                                                           timeout=WAIT_MS)
-            # Refused is final: the third page does not retry.
-            third.wait_for_timeout(1500)
-            expect(third.locator("#status")).to_have_text("closed: you already have two live sessions")
         finally:
             chromium.close()
 
@@ -262,7 +277,7 @@ def test_it_reconnects_after_the_api_restarts_and_sends_the_canvas_again(
         try:
             page = chromium.new_context(viewport={"width": 1000, "height": 720}).new_page()
             log_in(page, stack)
-            expect(page.locator("#status")).to_have_text("live on fake-gpu:0", timeout=WAIT_MS)
+            expect(page.locator("#status")).to_have_text(LIVE, timeout=WAIT_MS)
             stroke(page, 60, 80)
             expect(page.locator("#output")).to_have_attribute("src", re.compile(r"^data:image/png;base64,.+"),
                                                               timeout=WAIT_MS)
@@ -270,14 +285,14 @@ def test_it_reconnects_after_the_api_restarts_and_sends_the_canvas_again(
 
             # The API dies; the page says so and keeps trying.
             stack.kill(api)
-            expect(page.locator("#status")).to_contain_text("reconnecting in", timeout=WAIT_MS)
+            expect(page.locator("#status")).to_contain_text("Reconnecting in", timeout=WAIT_MS)
             before = worker.frames()[-1]
             canvas = page.evaluate("() => document.getElementById('canvas').toDataURL('image/png')")
 
             # The API comes back on the same address: the page (and the worker) reconnect by themselves,
             # the new session goes live, and the canvas drawn so far is sent to it without a new stroke.
             stack.start_api()
-            expect(page.locator("#status")).to_have_text("live on fake-gpu:0", timeout=2 * WAIT_MS)
+            expect(page.locator("#status")).to_have_text(LIVE, timeout=2 * WAIT_MS)
             assert worker.connections == 2
             wait_for(lambda: any(f["seq"] > before["seq"] for f in worker.frames()),
                      "the canvas to be sent to the new session")
