@@ -17,6 +17,7 @@ from models_registry.api import ModelListView
 from realtime.api import UsageView
 from realtime.views import drawing_page
 from scheduling.api import JobViewSet
+from scheduling.views import jobs_page
 from workers.api import QueuesView
 from workers.metrics import MetricsView
 
@@ -36,6 +37,7 @@ def api_root(request: Request) -> Response:
 
 urlpatterns = [
     path("", drawing_page, name="drawing"),
+    path("jobs/", jobs_page, name="jobs"),
     path("api/v1/", api_root, name="api-root"),
     path("api/v1/", include(router.urls)),
     path("api/v1/models/", ModelListView.as_view(), name="models"),

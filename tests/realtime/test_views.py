@@ -66,7 +66,7 @@ def test_it_says_so_when_no_model_can_hold_a_session(alice) -> None:
     response = client.get("/")
 
     assert response.status_code == 200 and list(response.context["models"]) == []
-    assert b"no drawing model is registered" in response.content
+    assert b"No drawing model is registered yet." in response.content
 
 
 @pytest.mark.parametrize(("path", "content_type"), [
