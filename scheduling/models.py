@@ -59,6 +59,10 @@ class Job(models.Model):
     checkpoint = models.CharField(max_length=300, blank=True, default="")
     checkpoint_step = models.PositiveIntegerField(null=True, blank=True)
     pause_requested = models.BooleanField(default=False)
+    # Its webhook (docs/protocol.md, "Webhooks"): where the job's end is POSTed ("" for none), and the
+    # origin it was submitted to, which makes the URLs in the posted representation absolute.
+    webhook_url = models.CharField(max_length=2000, blank=True, default="")
+    webhook_origin = models.CharField(max_length=300, blank=True, default="")
 
     class Meta:
         ordering = ["-created_at", "id"]
@@ -78,3 +82,51 @@ class Job(models.Model):
 
     def __str__(self) -> str:
         return f"{self.id} ({self.model_id}, {self.state})"
+
+
+class WebhookState(models.TextChoices):
+    PENDING = "pending"  # due at due_at (or being attempted, due_at then being its claim's end)
+    DELIVERED = "delivered"  # a 2xx answered: never sent again
+    FAILED = "failed"  # WEBHOOK_ATTEMPTS attempts and no 2xx
+
+
+class WebhookDelivery(models.Model):
+    """One event of a job's webhook (its end): the outbox row, written in the transaction that ends
+    the job, then attempted by the delivery runner (scheduling/webhooks/) until a 2xx or the last
+    attempt. Its id is the event's `webhook-id`, the same on every retry."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="webhook_deliveries")
+    url = models.CharField(max_length=2000)
+    state = models.CharField(max_length=20, choices=WebhookState.choices, default=WebhookState.PENDING)
+    created_at = models.DateTimeField()
+    # When the next attempt is due; while one is under way, when its claim lapses (a process that
+    # died mid-attempt leaves it due again then). Null once delivered or failed.
+    due_at = models.DateTimeField(null=True, blank=True)
+    # The exact bytes sent, fixed at the first attempt so that every retry carries the same body.
+    body = models.TextField(blank=True, default="")
+    # Each attempt: {"at": ISO time, "status_code": int | None, "error": str | None, "duration_ms": float}
+    attempts = models.JSONField(default=list, blank=True)
+
+    class Meta:
+        ordering = ["-created_at", "id"]
+        indexes = [models.Index(fields=["state", "due_at"], name="webhook_due")]
+
+    @property
+    def webhook_id(self) -> str:
+        return f"msg_{self.id.hex}"
+
+    def __str__(self) -> str:
+        return f"{self.webhook_id} ({self.state})"
+
+
+class WebhookSecret(models.Model):
+    """An account's webhook signing key (Standard Webhooks: `whsec_` + base64 of the key bytes);
+    made on first use, replaced on rotation."""
+
+    account = models.OneToOneField(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="webhook_secret")
+    secret = models.CharField(max_length=100)
+    created_at = models.DateTimeField()
+
+    def __str__(self) -> str:
+        return f"webhook secret of {self.account_id}"
