@@ -157,7 +157,8 @@ def served(tmp_path: Path) -> Iterator[tuple[Stack, FrameWorker]]:
             worker.stop()
 
 
-def test_it_draws_shows_and_saves_the_output_and_recovers_from_the_session_limit(served: tuple[Stack, FrameWorker]) -> None:
+def test_it_draws_shows_and_saves_the_output_and_recovers_from_the_session_limit(
+        served: tuple[Stack, FrameWorker]) -> None:
     from playwright.sync_api import expect, sync_playwright
 
     stack, worker = served
