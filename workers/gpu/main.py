@@ -20,6 +20,7 @@ from workers.gpu.limits import Limits
 from workers.gpu.loading import load_pipelines, measure_step_ms, placed_now, realtime_capacity
 from workers.gpu.models_on_demand import InstalledCatalog, ModelsOnDemand, dtype_bytes_for
 from workers.gpu.pipelines import InjectedOutOfMemory, PipelineLoadError
+from workers.gpu.quiet import quiet_libraries
 from workers.gpu.vram import VramBudget, device_index
 
 log = logging.getLogger(__name__)
@@ -135,6 +136,7 @@ def build_client(options: WorkerOptions) -> Any:
 
     import torch  # only now: a wrong --models fails before torch's seconds of import
 
+    quiet_libraries()  # before the first pipeline is read: no progress bars, no torchvision notice
     if options.threads:
         torch.set_num_threads(options.threads)
     device = options.device or default_device()
