@@ -47,11 +47,13 @@ if settings.QUEUE_REBUILD_AT_START:
 if settings.DEAD_WORKER_SWEEP:
     # Dead workers are found by every served process, whether or not a socket is open on it; so
     # is placement planned (PLACEMENT=demand), on its events and every PLACEMENT_SECONDS.
+    from scheduling.webhooks.runner import webhooks_start  # noqa: E402
     from workers.placement_runner import placement_start  # noqa: E402
     from workers.sweeper import dead_worker_sweep_start  # noqa: E402
 
     dead_worker_sweep_start()
     placement_start()
+    webhooks_start()  # webhook deliveries due in the database, whichever process wrote them
 
 application = ProtocolTypeRouter({
     "http": django_http_app,

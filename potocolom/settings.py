@@ -122,6 +122,18 @@ DEAD_WORKER_SWEEP = envbool("DEAD_WORKER_SWEEP", True)
 # A browser message over this closes the socket with 4009; worker messages carry whole images.
 BROWSER_MESSAGE_MAX_BYTES = 4 * 1024 * 1024
 
+# Webhooks (scheduling/webhooks/, docs/operations.md): attempts per event (backoff 1, 2, 4 ... s),
+# each bounded by WEBHOOK_TIMEOUT_SECONDS; at most WEBHOOK_SENDERS at once per API process. A host
+# resolving to a loopback, private, link-local (or otherwise non-public) address is refused unless
+# WEBHOOK_ALLOW_PRIVATE (a receiver on the same machine or network: development, tests).
+WEBHOOK_ATTEMPTS = envint("WEBHOOK_ATTEMPTS", 6, minimum=1)
+WEBHOOK_TIMEOUT_SECONDS = envfloat("WEBHOOK_TIMEOUT_SECONDS", 10.0)
+WEBHOOK_SENDERS = envint("WEBHOOK_SENDERS", 4, minimum=1)
+WEBHOOK_ALLOW_PRIVATE = envbool("WEBHOOK_ALLOW_PRIVATE", False)
+# How webhook hosts are looked up: a callable (host, port) -> addresses, or its dotted path. Not an
+# environment setting: the one seam where tests put a resolver of their own.
+WEBHOOK_RESOLVER = "scheduling.webhooks.resolving.system_resolve"
+
 # --- limits of what a client may send (docs/operations.md) ------------------------------------
 JOB_SUBMIT_RATE = envstr("JOB_SUBMIT_RATE", "600/minute") or ""
 if not re.fullmatch(r"[1-9][0-9]*/(s|sec|second|m|min|minute|h|hour|d|day)", JOB_SUBMIT_RATE):

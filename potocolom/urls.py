@@ -16,7 +16,7 @@ from rest_framework.routers import SimpleRouter
 from models_registry.api import ModelListView
 from realtime.api import UsageView
 from realtime.views import drawing_page
-from scheduling.api import JobViewSet
+from scheduling.api import JobViewSet, WebhookSecretView
 from scheduling.views import jobs_page
 from workers.api import QueuesView
 from workers.metrics import MetricsView
@@ -43,6 +43,7 @@ urlpatterns = [
     path("api/v1/models/", ModelListView.as_view(), name="models"),
     path("api/v1/queues/", QueuesView.as_view(), name="queues"),
     path("api/v1/usage/", UsageView.as_view(), name="usage"),
+    path("api/v1/account/webhook-secret/", WebhookSecretView.as_view(), name="webhook-secret"),
     path("api/v1/schema/", SpectacularAPIView.as_view(permission_classes=[AllowAny]), name="schema"),
     path("api/v1/docs/", SpectacularSwaggerView.as_view(url_name="schema", permission_classes=[AllowAny]),
          name="api-docs"),

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import mimetypes
 import uuid
+from dataclasses import replace
 from typing import Any
 
 from django.conf import settings
 from django.contrib.auth.models import User
 from django.core.files.storage import default_storage
-from django.db.models import Q
+from django.db.models import Prefetch, Q
 from django.http import FileResponse, Http404, HttpResponse
 from django.utils import timezone
 from drf_spectacular.types import OpenApiTypes
@@ -17,14 +18,17 @@ from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.request import Request
 from rest_framework.response import Response
+from rest_framework.views import APIView
 
 from models_registry.errors import InvalidParams
 from potocolom.protocol.errors import InvalidRequest
 from scheduling import selectors, services
 from scheduling.images import INIT_IMAGE, ParamsWithoutImage, init_image_content, init_image_problem
-from scheduling.models import Job, JobState
+from scheduling.models import Job, JobState, WebhookDelivery
 from scheduling.serializers import JobCreateSerializer, JobSerializer
 from scheduling.throttles import JobSubmitThrottle
+from scheduling.webhooks.resolving import webhook_url_problem
+from scheduling.webhooks.services import webhook_secret_of, webhook_secret_rotate
 
 
 def account_of(request: Request) -> User:
@@ -52,6 +56,8 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
         if self.action == "list":  # a page of jobs never loads their init_images
             jobs = jobs.defer("params").annotate(shown_params=ParamsWithoutImage(),
                                                  has_init_image=Q(params__has_key=INIT_IMAGE))
+            jobs = jobs.prefetch_related(Prefetch("webhook_deliveries", to_attr="listed_deliveries",
+                                                  queryset=WebhookDelivery.objects.order_by("-created_at", "id")))
         return jobs
 
     def get_object(self) -> Job:
@@ -86,7 +92,15 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
         problem = init_image_problem(body.validated_data["params"], max_pixels=settings.MAX_IMAGE_PIXELS)
         if problem:
             raise InvalidParams({"params": {INIT_IMAGE: [problem]}})
-        job = services.job_submit(account=account_of(request), request=body.to_request(), now=timezone.now())
+        job_request = body.to_request()
+        webhook_url = body.validated_data.get("webhook_url")
+        if webhook_url is not None:
+            problem = webhook_url_problem(webhook_url)
+            if problem:
+                raise InvalidRequest({"webhook_url": [problem]})
+            job_request = replace(job_request, webhook_url=webhook_url,
+                                  webhook_origin=f"{request.scheme}://{request.get_host()}")
+        job = services.job_submit(account=account_of(request), request=job_request, now=timezone.now())
         # `job` is as submitted, or as dispatched when a worker of this process took it at once;
         # one another process took meanwhile is no longer queued here: read what it became
         self._positions = selectors.positions_of([job])
@@ -141,3 +155,17 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
         name = job.images[int(index)]
         content_type = mimetypes.guess_type(name)[0] or "application/octet-stream"
         return FileResponse(default_storage.open(name, "rb"), content_type=content_type)
+
+
+class WebhookSecretView(APIView):
+    """The account's webhook signing secret (Standard Webhooks, `whsec_` + base64 of the key)."""
+
+    @extend_schema(request=None, responses={200: OpenApiTypes.OBJECT})
+    def get(self, request: Request) -> Response:
+        """The secret deliveries are signed with (made on first use)."""
+        return Response({"secret": webhook_secret_of(account=account_of(request), now=timezone.now())})
+
+    @extend_schema(request=None, responses={200: OpenApiTypes.OBJECT})
+    def post(self, request: Request) -> Response:
+        """Rotate it: a new secret signs every attempt from now on; the old one verifies none of them."""
+        return Response({"secret": webhook_secret_rotate(account=account_of(request), now=timezone.now())})

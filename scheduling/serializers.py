@@ -11,7 +11,7 @@ from rest_framework import serializers
 
 from potocolom.protocol.manifests import CAPABILITIES, TIERS
 from scheduling.images import INIT_IMAGE
-from scheduling.models import Job, JobState
+from scheduling.models import Job, JobState, WebhookDelivery
 from scheduling.services import JobRequest
 
 
@@ -55,6 +55,9 @@ class JobCreateSerializer(StrictSerializer):
                                          max_length=len(CAPABILITIES))
     params = serializers.DictField()
     priority = serializers.IntegerField(min_value=0, max_value=9, required=False, default=0)
+    webhook_url = serializers.CharField(required=False, max_length=2000, trim_whitespace=False,
+                                        help_text="http or https URL the job's end is POSTed to, signed (Standard "
+                                                  "Webhooks); its host must resolve to public addresses only")
 
     def validate_params(self, params: dict[str, Any]) -> dict[str, Any]:
         """Params must be storable as JSON in every database: finite numbers, UTF-8 text, no NUL."""
@@ -104,7 +107,37 @@ def job_payload(job: Job, *, position: int | None, image_url: Callable[[str], st
                                                              "steps": job.progress_steps},
         "rung": job.rung or None,
         "preemptions": job.preemptions, "checkpoint_step": job.checkpoint_step,
+        "webhook": webhook_payload(job),
     }
+
+
+def webhook_payload(job: Job) -> dict[str, Any] | None:
+    """The job's webhook as its owner sees it: its URL, its latest event's id and state ("waiting"
+    until the job ends) and every attempt of it; None without one. A page of jobs lists their
+    deliveries once (`listed_deliveries`, newest first); a single job reads its latest."""
+    if not job.webhook_url:
+        return None
+    listed = getattr(job, "listed_deliveries", None)
+    delivery: WebhookDelivery | None = (listed[0] if listed else None) if listed is not None else (
+        job.webhook_deliveries.order_by("-created_at", "id").first())
+    return {"url": job.webhook_url, "webhook_id": delivery.webhook_id if delivery else None,
+            "state": delivery.state if delivery else "waiting",
+            "attempts": list(delivery.attempts) if delivery else []}
+
+
+class WebhookAttemptSerializer(serializers.Serializer):
+    at = serializers.DateTimeField()
+    status_code = serializers.IntegerField(allow_null=True, help_text="the receiver's status; null without an answer")
+    error = serializers.CharField(allow_null=True, help_text="why the attempt failed without an answer (refused "
+                                                             "host, timeout, connection error)")
+    duration_ms = serializers.FloatField()
+
+
+class WebhookSerializer(serializers.Serializer):
+    url = serializers.CharField()
+    webhook_id = serializers.CharField(allow_null=True, help_text="the event's webhook-id, the same on every retry")
+    state = serializers.ChoiceField(choices=["waiting", "pending", "delivered", "failed"])
+    attempts = WebhookAttemptSerializer(many=True)
 
 
 def _iso(moment: datetime | None) -> str | None:
@@ -132,11 +165,15 @@ class JobSerializer(serializers.ModelSerializer):
                                                help_text="the step of its stored checkpoint, which it resumes from; "
                                                          "null without one")
 
+    webhook = WebhookSerializer(read_only=True, allow_null=True,
+                                help_text="its webhook_url's delivery (visible to its own account only); null "
+                                          "without one")
+
     class Meta:
         model = Job
         fields = ["id", "state", "model_id", "params", "priority", "attempts", "position", "worker_id",
                   "created_at", "started_at", "finished_at", "images", "error", "progress", "rung", "preemptions",
-                  "checkpoint_step"]
+                  "checkpoint_step", "webhook"]
         read_only_fields = fields
 
     def to_representation(self, job: Job) -> dict[str, Any]:

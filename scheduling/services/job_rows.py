@@ -3,14 +3,17 @@ a row as the queue's QueuedJob, a held job sent back off its worker (to queued, 
 job's checkpoint dropped. The job path's story: docs/protocol.md, "The job" and "Pausing"."""
 from __future__ import annotations
 
+import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from django.db import transaction
 from django.db.models import QuerySet
 
 from scheduling.checkpoints import checkpoint_discard
-from scheduling.models import Job, JobState
+from scheduling.models import Job, JobState, WebhookDelivery
 from scheduling.policy import QueuedJob
+from scheduling.signals import webhook_due
 
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 # What a job leaves behind when it goes back off its worker (sent back, preempted, paused).
@@ -44,3 +47,13 @@ def _drop_checkpoint(job: Job) -> None:
         Job.objects.filter(id=job.id, checkpoint=job.checkpoint).update(checkpoint="", checkpoint_step=None)
         checkpoint_discard(job.checkpoint)
         job.checkpoint, job.checkpoint_step = "", None
+
+
+def _webhook_outbox(job_id: uuid.UUID | str, *, now: datetime) -> None:
+    """Inside the transaction that ends a job: its webhook's delivery row (the outbox), when it was
+    submitted with one, so that the end and its delivery commit together; the delivery runner wakes
+    after the commit."""
+    url = Job.objects.filter(id=job_id).exclude(webhook_url="").values_list("webhook_url", flat=True).first()
+    if url:
+        WebhookDelivery.objects.create(job_id=job_id, url=url, created_at=now, due_at=now)
+        transaction.on_commit(lambda: webhook_due.send(sender=WebhookDelivery))

@@ -12,6 +12,7 @@ from typing import Any
 
 from django.core.files.base import ContentFile
 from django.core.files.storage import default_storage
+from django.db import transaction
 from django.db.models import F, Value
 from django.db.models.functions import Coalesce
 
@@ -21,7 +22,7 @@ from scheduling.checkpoints import checkpoint_discard, checkpoint_save
 from scheduling.dispatcher import dispatcher
 from scheduling.models import HELD_STATES, Job, JobState
 from scheduling.services.dispatch import jobs_dispatch, jobs_dispatch_or_wake
-from scheduling.services.job_rows import _send_back, queued_job
+from scheduling.services.job_rows import _send_back, _webhook_outbox, queued_job
 from scheduling.services.requests import _preempt
 
 log = logging.getLogger(__name__)
@@ -79,7 +80,7 @@ def job_finish(*, worker_id: str, job_id: str, images: list[str], gpu_ms: float 
     try:
         for n, (data, extension) in enumerate(decoded):
             names.append(default_storage.save(f"jobs/{job_id}/{n}.{extension}", ContentFile(data)))
-        finished = _end_held(job_id, worker_id, state=JobState.SUCCEEDED, images=names, gpu_ms=gpu_ms,
+        finished = _end_held(job_id, worker_id, now=now, state=JobState.SUCCEEDED, images=names, gpu_ms=gpu_ms,
                              rung=rung[:40], finished_at=now, started_at=Coalesce(F("started_at"), Value(now)))
     except Exception:
         _delete_images(names)  # nothing stored: the caller does not ack, and a v2 worker sends it again
@@ -103,23 +104,29 @@ def job_fail(*, worker_id: str, job_id: str, error: str, now: datetime) -> bool:
     """A failure the worker reports is final. A v2 worker's answer to `cancel` only frees its place."""
     if _let_go(job_id, worker_id, now=now):
         return False
-    failed = _end_held(job_id, worker_id, state=JobState.FAILED, error=str(error)[:2000] or "failed",
+    failed = _end_held(job_id, worker_id, now=now, state=JobState.FAILED, error=str(error)[:2000] or "failed",
                        finished_at=now)
     # Also when it changed nothing: the worker runs it no more, whatever the database says.
     _release_and_dispatch(job_id, worker_id, now=now)
     return failed
 
 
-def _end_held(job_id: str, worker_id: str, **fields: Any) -> bool:
+def _end_held(job_id: str, worker_id: str, *, now: datetime, **fields: Any) -> bool:
     """Compare-and-set a job this worker holds to its end (`fields`); its stored checkpoint goes
-    with it. A job without one (nearly all) costs one statement, as before checkpoints existed."""
+    with it, and its webhook's delivery row is written in the same transaction. A job with neither
+    (nearly all) costs one statement, as before checkpoints existed."""
     held = Job.objects.filter(id=job_id, worker_id=worker_id, state__in=HELD_STATES)
-    if held.filter(checkpoint="").update(**fields):
+    if held.filter(checkpoint="", webhook_url="").update(**fields):
         return True
     name = held.values_list("checkpoint", flat=True).first()
-    if not name or not held.filter(checkpoint=name).update(checkpoint="", checkpoint_step=None, **fields):
+    if name is None:
         return False
-    checkpoint_discard(name)
+    with transaction.atomic():
+        if not held.filter(checkpoint=name).update(checkpoint="", checkpoint_step=None, **fields):
+            return False
+        _webhook_outbox(job_id, now=now)
+    if name:
+        checkpoint_discard(name)
     return True
 
 

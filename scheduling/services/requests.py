@@ -21,7 +21,7 @@ from scheduling.dispatcher import Dispatcher, dispatcher
 from scheduling.errors import JobAlreadyEnded, JobNotPaused, TooManyJobs
 from scheduling.models import ENDED_STATES, HELD_STATES, UNFINISHED_STATES, Job, JobState
 from scheduling.services.dispatch import WORKERS_GROUP, jobs_dispatch, jobs_dispatch_or_wake
-from scheduling.services.job_rows import _OFF_WORKER, _drop_checkpoint, queued_job, to_microseconds
+from scheduling.services.job_rows import _OFF_WORKER, _drop_checkpoint, _webhook_outbox, queued_job, to_microseconds
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,8 @@ class JobRequest:
     tier: str | None = None
     capabilities: tuple[str, ...] = ()
     priority: int = 0
+    webhook_url: str = ""  # checked by the caller (scheduling.webhooks.resolving.webhook_url_problem)
+    webhook_origin: str = ""  # scheme://host the job was submitted to: its posted URLs are absolute on it
 
 
 def job_submit(*, account: User, request: JobRequest, now: datetime) -> Job:
@@ -45,7 +47,8 @@ def job_submit(*, account: User, request: JobRequest, now: datetime) -> Job:
     # One INSERT commits on its own (no BEGIN/COMMIT round trips); inside a caller's transaction the
     # job is queued only once that commits.
     job = Job.objects.create(account=account, model_id=manifest.model_id, params=request.params,
-                             priority=request.priority, created_at=now, submitted_us=to_microseconds(now))
+                             priority=request.priority, created_at=now, submitted_us=to_microseconds(now),
+                             webhook_url=request.webhook_url, webhook_origin=request.webhook_origin)
     transaction.on_commit(lambda: _queue_and_dispatch(job, now=now))
     return job
 
@@ -92,6 +95,8 @@ def job_cancel(*, job: Job, now: datetime) -> Job:
     with transaction.atomic():
         cancelled = Job.objects.filter(id=job.id, state__in=UNFINISHED_STATES).update(
             state=JobState.CANCELLED, finished_at=now, pause_requested=False)
+        if cancelled:
+            _webhook_outbox(job.id, now=now)
     job.refresh_from_db()
     if not cancelled:
         raise JobAlreadyEnded(f"job {job.id} already ended: {job.state}")

@@ -3,9 +3,11 @@ reconciled on its hello, a dead worker's jobs go back to the queue or fail by th
 orphans are swept. The story: docs/protocol.md, "Dead workers, reconnects, restarts"."""
 from __future__ import annotations
 
+import uuid
 from datetime import datetime
 
 from django.conf import settings
+from django.db import transaction
 
 from potocolom.protocol.worker import Cancel
 from potocolom.transport.notify import to_socket_after_commit
@@ -14,7 +16,7 @@ from scheduling.dispatcher import dispatcher
 from scheduling.models import HELD_STATES, Job, JobState
 from scheduling.policy import HeldJob, QueuedJob, retry_decision
 from scheduling.services.dispatch import jobs_dispatch, jobs_dispatch_or_wake
-from scheduling.services.job_rows import _send_back, queued_job
+from scheduling.services.job_rows import _send_back, _webhook_outbox, queued_job
 from scheduling.services.requests import _preempt
 from workers import selectors as worker_rows
 
@@ -35,11 +37,20 @@ def jobs_return(*, job_ids: set[str], now: datetime) -> None:
             if back == JobState.QUEUED:
                 current.push(queued_job(job))
                 requeued.append(queued_job(job))
-        elif Job.objects.filter(id=job.id, state__in=HELD_STATES).update(
-                state=JobState.FAILED, error=WORKER_LOST, finished_at=now, pause_requested=False, checkpoint="",
-                checkpoint_step=None):
+        elif _fail_lost(job.id, now=now):
             checkpoint_discard(job.checkpoint)
     jobs_dispatch_or_wake(queued=requeued, now=now)
+
+
+def _fail_lost(job_id: uuid.UUID | str, *, now: datetime) -> bool:
+    """A job out of retries fails with worker_lost; its webhook's delivery row commits with it."""
+    with transaction.atomic():
+        failed = Job.objects.filter(id=job_id, state__in=HELD_STATES).update(
+            state=JobState.FAILED, error=WORKER_LOST, finished_at=now, pause_requested=False, checkpoint="",
+            checkpoint_step=None)
+        if failed:
+            _webhook_outbox(job_id, now=now)
+    return bool(failed)
 
 
 def worker_jobs_connect(*, worker_id: str, channel_name: str, models: list[str], now: datetime,

@@ -1,0 +1,93 @@
+"""The webhook delivery thread of one API process (started by potocolom/asgi.py beside the
+dead-worker sweep): a delivery pass soon after a job with a webhook ends (scheduling.signals) and
+whenever the earliest pending delivery falls due, at least every POLL_SECONDS."""
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
+
+from django.conf import settings
+from django.db import close_old_connections, connection
+from django.utils import timezone
+
+from scheduling.signals import webhook_due
+from scheduling.webhooks.delivery import webhooks_deliver
+from scheduling.webhooks.services import webhook_next_due
+
+log = logging.getLogger(__name__)
+POLL_SECONDS = 5.0  # deliveries written by other processes are found at least this often
+
+
+class WebhookRunner:
+    """Runs `deliver(now=clock(), mapper=...)` until nothing is due, then sleeps until the next due
+    time, a wake-up, or POLL_SECONDS; a failed pass is logged and the next runs all the same."""
+
+    def __init__(self, *, clock: Callable[[], datetime] = timezone.now,
+                 deliver: Callable[..., int] = webhooks_deliver) -> None:
+        self.clock, self.deliver = clock, deliver
+        self.woken = threading.Event()
+        self.stopped = threading.Event()
+        self.thread: threading.Thread | None = None
+        self.lock = threading.Lock()
+
+    def start(self) -> bool:
+        with self.lock:
+            if self.thread is not None and self.thread.is_alive():
+                return False
+            self.stopped.clear()
+            webhook_due.connect(self._on_due, weak=False, dispatch_uid=f"webhooks.runner.{id(self)}")
+            self.thread = threading.Thread(target=self.loop, name="webhooks", daemon=True)
+            self.thread.start()
+            return True
+
+    def _on_due(self, **_: object) -> None:
+        self.woken.set()
+
+    def stop(self, *, timeout: float = 5.0) -> None:
+        webhook_due.disconnect(dispatch_uid=f"webhooks.runner.{id(self)}")
+        self.stopped.set()
+        self.woken.set()
+        if self.thread is not None:
+            self.thread.join(timeout)
+
+    def loop(self) -> None:
+        senders = settings.WEBHOOK_SENDERS
+        with ThreadPoolExecutor(max_workers=senders, thread_name_prefix="webhook-send") as pool:
+            try:
+                while not self.stopped.is_set():
+                    self.woken.clear()
+                    wait = self.tick(pool, limit=senders)
+                    self.woken.wait(wait)
+            finally:
+                connection.close()
+
+    def tick(self, pool: ThreadPoolExecutor, *, limit: int) -> float:
+        """One pass (more while passes come back full); seconds to wait before the next."""
+        close_old_connections()
+        try:
+            while self.deliver(now=self.clock(), mapper=pool.map, limit=limit) >= limit:
+                if self.stopped.is_set():
+                    return 0.0
+            next_due = webhook_next_due()
+        except Exception:  # the database is away: try again after a while
+            log.exception("webhook delivery failed")
+            return POLL_SECONDS
+        if next_due is None:
+            return POLL_SECONDS
+        return min(POLL_SECONDS, max(0.0, (next_due - self.clock()).total_seconds()))
+
+
+_runner = WebhookRunner()
+
+
+def webhooks_start() -> bool:
+    """Start this process's delivery thread (a no-op when it runs already)."""
+    return _runner.start()
+
+
+def webhooks_stop() -> None:
+    """Stop the delivery thread (tests)."""
+    _runner.stop()
