@@ -26,8 +26,9 @@ class WebhookRunner:
     time, a wake-up, or POLL_SECONDS; a failed pass is logged and the next runs all the same."""
 
     def __init__(self, *, clock: Callable[[], datetime] = timezone.now,
-                 deliver: Callable[..., int] = webhooks_deliver) -> None:
-        self.clock, self.deliver = clock, deliver
+                 deliver: Callable[..., int] = webhooks_deliver,
+                 next_due: Callable[[], datetime | None] = webhook_next_due) -> None:
+        self.clock, self.deliver, self.next_due = clock, deliver, next_due
         self.woken = threading.Event()
         self.stopped = threading.Event()
         self.thread: threading.Thread | None = None
@@ -71,7 +72,7 @@ class WebhookRunner:
             while self.deliver(now=self.clock(), mapper=pool.map, limit=limit) >= limit:
                 if self.stopped.is_set():
                     return 0.0
-            next_due = webhook_next_due()
+            next_due = self.next_due()
         except Exception:  # the database is away: try again after a while
             log.exception("webhook delivery failed")
             return POLL_SECONDS
