@@ -3,9 +3,7 @@ verified as a receiver would (the standardwebhooks library), retries with backof
 clock, the SSRF refusals at submission and at delivery, and the account's secret."""
 from __future__ import annotations
 
-import http.server
 import json
-import threading
 from datetime import timedelta
 
 import pytest
@@ -17,45 +15,10 @@ from scheduling.models import Job, JobState, WebhookDelivery
 from scheduling.webhooks.delivery import webhooks_deliver
 from scheduling.webhooks.services import webhook_deliveries_claim
 from tests.helpers import api_client, register_model
+from tests.support.webhook_receiver import Receiver
 
 pytestmark = pytest.mark.django_db
 PROMPT = {"prompt": "a red circle"}
-
-
-class Receiver:
-    """An HTTP server on 127.0.0.1 answering each POST with the next scripted status (then 200),
-    keeping every request it got."""
-
-    def __init__(self, statuses: list[int] | None = None, *, headers: dict[str, str] | None = None) -> None:
-        self.statuses = list(statuses or [])
-        self.extra_headers = headers or {}
-        self.requests: list[dict] = []
-        receiver = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802  (http.server's name)
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                receiver.requests.append({"path": self.path, "headers": dict(self.headers.items()),
-                                          "body": body})
-                status = receiver.statuses.pop(0) if receiver.statuses else 200
-                self.send_response(status)
-                for name, value in receiver.extra_headers.items():
-                    self.send_header(name, value)
-                self.send_header("Content-Length", "2")
-                self.end_headers()
-                self.wfile.write(b"ok")
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.port = self.server.server_address[1]
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 @pytest.fixture
