@@ -4,6 +4,7 @@ clock, the SSRF refusals at submission and at delivery, and the account's secret
 from __future__ import annotations
 
 import json
+import threading
 from datetime import timedelta
 
 import pytest
@@ -13,6 +14,7 @@ from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 from scheduling import services
 from scheduling.models import Job, JobState, WebhookDelivery
 from scheduling.webhooks.delivery import webhooks_deliver
+from scheduling.webhooks.resolving import WebhookRefused, resolve_within
 from scheduling.webhooks.services import webhook_deliveries_claim
 from tests.helpers import api_client, register_model
 from tests.support.webhook_receiver import Receiver
@@ -289,3 +291,28 @@ def test_after_rotation_deliveries_verify_with_the_new_secret_only(private_allow
     with pytest.raises(WebhookVerificationError):
         verified(old, request)
     assert json.loads(request["body"])["state"] == JobState.CANCELLED
+
+
+def test_a_job_failed_by_its_dead_worker_is_posted_too(private_allowed, alice, receiver, job_with_webhook):
+    hook = receiver()
+    job_id = job_with_webhook(alice, f"http://127.0.0.1:{hook.port}/")
+    Job.objects.filter(id=job_id).update(state=JobState.RUNNING, worker_id="host-a:0", attempts=2)
+    services.jobs_return(job_ids={job_id}, now=timezone.now())  # its second worker died: worker_lost
+    assert WebhookDelivery.objects.filter(job_id=job_id).count() == 1
+    webhooks_deliver(now=timezone.now())
+    payload = verified(secret_of(alice), hook.requests[0])
+    assert (payload["state"], payload["error"]) == (JobState.FAILED, "worker_lost")
+
+
+def test_a_lookup_that_takes_longer_than_its_bound_is_refused():
+    release = threading.Event()
+
+    def hanging(host: str, port: int) -> list[str]:
+        release.wait(30)
+        return ["93.184.216.34"]
+
+    try:
+        with pytest.raises(WebhookRefused, match="did not resolve within"):
+            resolve_within("slow.example", 443, resolve=hanging, seconds=0.05)
+    finally:
+        release.set()
