@@ -1,4 +1,4 @@
-"""ASGI entry point: HTTP (Django) and the two sockets (browser sessions, GPU workers)."""
+"""ASGI entry point: HTTP (Django) and the sockets (browser sessions, job events, GPU workers)."""
 from __future__ import annotations
 
 import logging
@@ -21,6 +21,7 @@ from django.urls import path, re_path  # noqa: E402
 
 from potocolom.web.sockets import BrowserOriginCheck, refuse  # noqa: E402
 from realtime.consumers import SessionConsumer  # noqa: E402
+from scheduling.consumers import JobEventsConsumer  # noqa: E402
 from scheduling.dispatcher import dispatcher  # noqa: E402
 from workers.consumers import WorkerConsumer  # noqa: E402
 
@@ -28,6 +29,7 @@ from workers.consumers import WorkerConsumer  # noqa: E402
 # worker socket (tokens only) does not; any other path is refused (403), not answered with a 500.
 websocket_urls = [
     path("ws/session/", BrowserOriginCheck(SessionConsumer.as_asgi())),  # type: ignore[arg-type]  # an ASGI app
+    path("ws/jobs/", BrowserOriginCheck(JobEventsConsumer.as_asgi())),  # type: ignore[arg-type]  # an ASGI app
     path("ws/worker/", WorkerConsumer.as_asgi()),
     re_path(r"", refuse),  # type: ignore[arg-type]  # channels routes ASGI apps
 ]

@@ -17,6 +17,8 @@ JOB_WAIT_BUCKETS_SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30
 FRAME_BUCKETS_SECONDS = (0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2, 5)
 # From a tiny model's second to a large one read from a slow disk.
 MODEL_LOAD_BUCKETS_SECONDS = (0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
+# |eta - actual| / actual of a job's first estimated wait: 0.1 is within 10 %, 1 off by the whole wait.
+ETA_ERROR_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10)
 
 JOB_WAIT_SECONDS = Histogram(
     "potocolom_job_wait_seconds", "Time from a job's submission to its dispatch (each claim of this process)",
@@ -32,6 +34,10 @@ MODEL_LOADS = Counter(
 MODEL_LOAD_SECONDS = Histogram(
     "potocolom_model_load_seconds", "Time a worker took to load a model (loads reported to this process)",
     buckets=MODEL_LOAD_BUCKETS_SECONDS)
+
+ETA_ERROR_RATIO = Histogram(
+    "potocolom_eta_error_ratio", "How far off a job's first eta_seconds was when it started: |eta - actual| / actual "
+    "(jobs estimated and started on this process)", buckets=ETA_ERROR_BUCKETS)
 
 for _reason in PREEMPTION_REASONS:  # known from the start: each reads 0 until it happens
     PREEMPTIONS.labels(_reason)
@@ -57,3 +63,8 @@ def model_load_finished(*, model_id: str, outcome: ModelLoadOutcome, seconds: fl
     MODEL_LOADS.labels(model_id, outcome).inc()
     if seconds is not None:
         MODEL_LOAD_SECONDS.observe(max(0.0, seconds))
+
+
+def eta_checked(*, error_ratio: float) -> None:
+    """A job that had an estimated wait started: how far off its first estimate was."""
+    ETA_ERROR_RATIO.observe(max(0.0, error_ratio))

@@ -1,17 +1,21 @@
 """Reads of the job path: an account's jobs, queue positions, and the queue as operators see it."""
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from datetime import datetime
 from typing import Any
 
+from django.conf import settings
 from django.contrib.auth.models import User
-from django.db.models import Count, IntegerField, Max, QuerySet, Sum, Value
+from django.db.models import Count, F, IntegerField, Max, QuerySet, Sum, Value
 from django.db.models.fields.json import KT
-from django.db.models.functions import Cast, Coalesce
+from django.db.models.functions import Cast, Coalesce, Greatest
+from rest_framework.authtoken.models import Token
 
 from scheduling.dispatcher import dispatcher
+from scheduling.eta import ModelLoad, eta_seconds, first_etas
 from scheduling.models import HELD_STATES, Job, JobState
+from workers import selectors as worker_rows
 
 
 def jobs_of(*, account: User, state: str | None = None) -> QuerySet[Job]:
@@ -86,3 +90,58 @@ def last_job_use(worker_ids: list[str], *, since: datetime) -> dict[tuple[str, s
     rows = (Job.objects.filter(worker_id__in=worker_ids, finished_at__gte=since).order_by()
             .values_list("worker_id", "model_id").annotate(last=Max("finished_at")))
     return {(worker_id, model_id): last for worker_id, model_id, last in rows}
+
+
+def model_loads(model_ids: Collection[str], *, now: datetime) -> dict[str, ModelLoad]:
+    """What the ETA reads of each model: its queued jobs and steps (one grouped query), the steps
+    its held jobs have left (one grouped query), and the step_ms of each connected copy that takes
+    new jobs (the worker rows' loaded models: their hello's or model_loaded's `step_ms`)."""
+    ids = sorted(set(model_ids))
+    if not ids:
+        return {}
+    steps = Coalesce(Cast(KT("params__steps"), IntegerField()), Value(STEPS_UNSAID))
+    queued = {model_id: (jobs, int(total or 0)) for model_id, jobs, total in (
+        Job.objects.filter(state=JobState.QUEUED, model_id__in=ids).order_by().values_list("model_id")
+        .annotate(jobs=Count("id"), steps=Sum(steps)))}
+    left = Greatest(Coalesce(F("progress_steps"), steps) - Coalesce(F("progress_step"), Value(0)), Value(0))
+    held = {model_id: int(total or 0) for model_id, total in (
+        Job.objects.filter(state__in=HELD_STATES, model_id__in=ids).order_by().values_list("model_id")
+        .annotate(left=Sum(left)))}
+    copies: dict[str, list[float | None]] = {model_id: [] for model_id in ids}
+    for worker in worker_rows.connected_workers(seconds=4 * settings.WORKER_HEARTBEAT_SECONDS, now=now):
+        if worker.draining:
+            continue
+        for entry in worker.models:
+            if isinstance(entry, dict) and entry.get("model_id") in copies:
+                step_ms = entry.get("step_ms")
+                copies[entry["model_id"]].append(float(step_ms) if isinstance(step_ms, (int, float)) else None)
+    return {model_id: ModelLoad(*queued.get(model_id, (0, 0)), held_steps_left=held.get(model_id, 0),
+                                copies_step_ms=tuple(copies[model_id]))
+            for model_id in ids}
+
+
+def etas_of(jobs: Iterable[Job], *, positions: dict[str, int], now: datetime) -> dict[str, float]:
+    """The estimated waits of the queued jobs among these (those with a position and an estimate).
+    Each job's first estimate is kept to measure its error when it starts (scheduling.eta)."""
+    queued = [job for job in jobs if job.state == JobState.QUEUED and str(job.id) in positions]
+    if not queued:
+        return {}
+    loads = model_loads({job.model_id for job in queued}, now=now)
+    at_us = int(now.timestamp() * 1_000_000)
+    etas: dict[str, float] = {}
+    for job in queued:
+        eta = eta_seconds(position=positions[str(job.id)], load=loads[job.model_id])
+        if eta is not None:
+            etas[str(job.id)] = eta
+            first_etas.offer(str(job.id), eta=eta, at_us=at_us)
+    return etas
+
+
+def socket_account(*, user: Any, token: str | None) -> User | None:
+    """The account behind a job socket: its Django session, or an API token (query or header)."""
+    if isinstance(user, User) and user.is_authenticated and user.is_active:
+        return user
+    if not token or len(token) > 200:
+        return None
+    found = Token.objects.select_related("user").filter(key=token).first()
+    return found.user if found is not None and found.user.is_active else None

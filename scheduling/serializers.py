@@ -7,9 +7,11 @@ from datetime import datetime
 from typing import Any
 
 from django.urls import reverse
+from django.utils import timezone
 from rest_framework import serializers
 
 from potocolom.protocol.manifests import CAPABILITIES, TIERS
+from scheduling import selectors
 from scheduling.images import INIT_IMAGE
 from scheduling.models import Job, JobState, WebhookDelivery
 from scheduling.services import JobRequest
@@ -91,7 +93,8 @@ def shown_params(job: Job, *, image_url: Callable[[str], str]) -> Any:
     return {**params, INIT_IMAGE: image_url(reverse("job-init-image", kwargs={"pk": job.id}))}
 
 
-def job_payload(job: Job, *, position: int | None, image_url: Callable[[str], str]) -> dict[str, Any]:
+def job_payload(job: Job, *, position: int | None, image_url: Callable[[str], str],
+                eta_seconds: float | None = None) -> dict[str, Any]:
     """A job as the contract shows it, built by hand: DRF's ModelSerializer spends ~2.5 ms a job
     building its fields, which is most of a submit's time on a small machine. It never carries an
     image: params.init_image and images are URLs."""
@@ -108,6 +111,7 @@ def job_payload(job: Job, *, position: int | None, image_url: Callable[[str], st
         "rung": job.rung or None,
         "preemptions": job.preemptions, "checkpoint_step": job.checkpoint_step,
         "webhook": webhook_payload(job),
+        "eta_seconds": eta_seconds if job.state == JobState.QUEUED else None,
     }
 
 
@@ -164,6 +168,10 @@ class JobSerializer(serializers.ModelSerializer):
     checkpoint_step = serializers.IntegerField(read_only=True, allow_null=True,
                                                help_text="the step of its stored checkpoint, which it resumes from; "
                                                          "null without one")
+    eta_seconds = serializers.FloatField(read_only=True, allow_null=True,
+                                         help_text="a queued job's estimated wait until it starts, in seconds, from "
+                                                   "the measured step time of its model's workers and the steps "
+                                                   "queued ahead of it; null otherwise, or with no measured worker")
 
     webhook = WebhookSerializer(read_only=True, allow_null=True,
                                 help_text="its webhook_url's delivery (visible to its own account only); null "
@@ -173,10 +181,23 @@ class JobSerializer(serializers.ModelSerializer):
         model = Job
         fields = ["id", "state", "model_id", "params", "priority", "attempts", "position", "worker_id",
                   "created_at", "started_at", "finished_at", "images", "error", "progress", "rung", "preemptions",
-                  "checkpoint_step", "webhook"]
+                  "checkpoint_step", "eta_seconds", "webhook"]
         read_only_fields = fields
 
     def to_representation(self, job: Job) -> dict[str, Any]:
         request = self.context.get("request")
-        return job_payload(job, position=self.context.get("positions", {}).get(str(job.id)),
+        positions = self.context.get("positions", {})
+        eta = self._etas(positions, job).get(str(job.id))
+        return job_payload(job, position=positions.get(str(job.id)), eta_seconds=eta,
                            image_url=request.build_absolute_uri if request else str)
+
+    def _etas(self, positions: dict[str, int], job: Job) -> dict[str, float]:
+        """The estimated waits of the jobs rendered together (a page's, read once for all of them)."""
+        etas = self.context.get("etas")
+        if etas is None:
+            parent = self.parent
+            jobs = parent.instance if isinstance(parent, serializers.ListSerializer) else [job]
+            etas = selectors.etas_of([each for each in jobs or () if isinstance(each, Job)], positions=positions,
+                                     now=timezone.now())
+            self.context["etas"] = etas  # type: ignore[index]  # the context dict, shared by a page's jobs
+        return etas

@@ -186,7 +186,7 @@ class WorkerConsumer(RelayConsumer):
             jobs.job_started(worker_id=worker_id, job_id=message.job_id, now=now)
         elif isinstance(message, JobProgress):
             jobs.job_progress(worker_id=worker_id, job_id=message.job_id, step=message.step, steps=message.steps,
-                              now=now)
+                              preview=message.preview, now=now)
         elif isinstance(message, JobResult):
             jobs.job_finish(worker_id=worker_id, job_id=message.job_id, images=message.images,
                             gpu_ms=message.gpu_ms, rung=message.rung, now=now)

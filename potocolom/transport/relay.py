@@ -417,6 +417,18 @@ def group_send_others_sync(group: str, message: dict[str, Any]) -> None:
     group_send_sync(group, message)
 
 
+def group_send_everywhere_sync(group: str, message: dict[str, Any]) -> None:
+    """From sync code: to every member of a group in every process, a notice (never raised): this
+    process's members at once and the others' with one PUBLISH on the bus when it runs; without
+    it, the channel layer's group_send (to every member)."""
+    bus = _running_bus()
+    if bus is not None and _in_a_thread():
+        deliver_local(GROUP_TARGET + group, message)
+        bus.broadcast_threadsafe(GROUP_TARGET + group, message)
+        return
+    group_send_sync(group, message)
+
+
 async def group_membership(layer: Any, group: str, channel_name: str, *, join: bool = True) -> bool:
     """Join (or leave) a channel-layer group, retried once; False (logged) when Redis is away. The
     membership counts here at once, for notices that come over the bus."""

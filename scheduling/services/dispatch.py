@@ -22,6 +22,7 @@ from potocolom.transport import relay
 from potocolom.transport.notify import to_socket_after_commit
 from scheduling.checkpoints import checkpoint_read
 from scheduling.dispatcher import Dispatcher, dispatcher
+from scheduling.events import jobs_changed
 from scheduling.models import Job, JobState
 from scheduling.policy import Assignment, Preemption, QueuedJob
 from scheduling.services.job_rows import to_microseconds
@@ -104,12 +105,14 @@ def jobs_dispatch(*, now: datetime) -> list[Assignment]:
     `job` its worker's protocol reads."""
     current = dispatcher()
     orders: list[tuple[str, int, QueuedJob, Claimed]] = []
+    claimed_ids: list[str] = []
 
     def claim(assignment: Assignment) -> bool:
         job = assignment.job
         claimed = _claim(job_id=job.job_id, worker_id=assignment.worker_id, turn_us=job.turn_us, now=now)
         if claimed is None:
             return False
+        claimed_ids.append(job.job_id)
         # from its submission (a job dispatched again after a preemption counts from it too)
         metrics.job_dispatched(wait_seconds=(to_microseconds(now) - job.submitted_us) / 1e6)
         worker = current.workers.get(assignment.worker_id)  # plan() holds the dispatcher's lock
@@ -124,6 +127,7 @@ def jobs_dispatch(*, now: datetime) -> list[Assignment]:
         # storage. Every job claimed is sent, even when the plan stopped half way.
         for channel_name, protocol, job, claimed in orders:
             to_socket_after_commit(channel_name, _job_order(job, claimed, protocol=protocol).to_wire())
+        jobs_changed(claimed_ids, now=now)  # dispatched
 
 
 def jobs_dispatch_or_wake(*, queued: Collection[QueuedJob], now: datetime) -> list[Assignment]:

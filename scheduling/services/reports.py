@@ -20,9 +20,11 @@ from potocolom import metrics
 from potocolom.signals import work_ended
 from scheduling.checkpoints import checkpoint_discard, checkpoint_save
 from scheduling.dispatcher import dispatcher
+from scheduling.eta import first_etas
+from scheduling.events import job_progressed, jobs_changed
 from scheduling.models import HELD_STATES, Job, JobState
 from scheduling.services.dispatch import jobs_dispatch, jobs_dispatch_or_wake
-from scheduling.services.job_rows import _send_back, _webhook_outbox, queued_job
+from scheduling.services.job_rows import _send_back, _webhook_outbox, queued_job, to_microseconds
 from scheduling.services.requests import _preempt
 
 log = logging.getLogger(__name__)
@@ -31,18 +33,49 @@ MAX_IMAGE_BYTES = 12 * 1024 * 1024
 
 def job_started(*, worker_id: str, job_id: str, now: datetime) -> bool:
     dispatcher().started(job_id, worker_id=worker_id)
-    return Job.objects.filter(id=job_id, worker_id=worker_id, state=JobState.DISPATCHED).update(
+    started = Job.objects.filter(id=job_id, worker_id=worker_id, state=JobState.DISPATCHED).update(
         state=JobState.RUNNING, started_at=now) == 1
+    if started:
+        _now_running(job_id, now=now)
+    return started
 
 
-def job_progress(*, worker_id: str, job_id: str, step: int, steps: int, now: datetime) -> bool:
+def job_progress(*, worker_id: str, job_id: str, step: int, steps: int, now: datetime,
+                 preview: str | None = None) -> bool:
+    """A worker's job_progress: stored (step and steps, never the preview) and relayed to the job's
+    account with its preview, when this worker holds the job."""
     updated = Job.objects.filter(id=job_id, worker_id=worker_id, state__in=HELD_STATES).update(
         progress_step=step, progress_steps=steps)
     # A worker may report progress before job_started arrives; progress means it is running.
     dispatcher().started(job_id, worker_id=worker_id)
-    Job.objects.filter(id=job_id, worker_id=worker_id, state=JobState.DISPATCHED).update(
-        state=JobState.RUNNING, started_at=now)
+    if Job.objects.filter(id=job_id, worker_id=worker_id, state=JobState.DISPATCHED).update(
+            state=JobState.RUNNING, started_at=now):
+        _now_running(job_id, now=now)
+    if updated == 1:
+        account = _account_of(job_id, worker_id)
+        if account is not None:
+            job_progressed(account_id=account, job_id=job_id, step=step, steps=steps, preview=preview)
     return updated == 1
+
+
+def _now_running(job_id: str, *, now: datetime) -> None:
+    """The job began its first step: its account hears of it, and its first estimated wait (if this
+    process gave one) is measured against the wait it had."""
+    jobs_changed([job_id], now=now)
+    ratio = first_etas.started(job_id, at_us=to_microseconds(now))
+    if ratio is not None:
+        metrics.eta_checked(error_ratio=ratio)
+
+
+def _account_of(job_id: str, worker_id: str) -> str | None:
+    """The account of a job this process's worker holds: the dispatcher's key of it when it has
+    one (no database read per step), else the row's."""
+    worker = dispatcher().workers.get(worker_id)
+    key = worker.keys.get(job_id) if worker is not None else None
+    if key is not None:
+        return key.account
+    account = Job.objects.filter(id=job_id).values_list("account_id", flat=True).first()
+    return None if account is None else str(account)
 
 
 def decode_image(value: str) -> tuple[bytes, str]:
@@ -87,6 +120,8 @@ def job_finish(*, worker_id: str, job_id: str, images: list[str], gpu_ms: float 
         raise
     if not finished:
         _delete_images(names)
+    else:
+        jobs_changed([job_id], now=now)  # succeeded
     # A result ends the worker's hold on the job even when it changed nothing: it runs it no more.
     _release_and_dispatch(job_id, worker_id, now=now)
     return finished
@@ -106,6 +141,8 @@ def job_fail(*, worker_id: str, job_id: str, error: str, now: datetime) -> bool:
         return False
     failed = _end_held(job_id, worker_id, now=now, state=JobState.FAILED, error=str(error)[:2000] or "failed",
                        finished_at=now)
+    if failed:
+        jobs_changed([job_id], now=now)
     # Also when it changed nothing: the worker runs it no more, whatever the database says.
     _release_and_dispatch(job_id, worker_id, now=now)
     return failed
@@ -188,8 +225,10 @@ def job_preempted(*, worker_id: str, job_id: str, step: int, steps: int, checkpo
     current.release(job_id, worker_id=worker_id)
     if back == JobState.QUEUED:
         current.push(queued_job(job))
+        jobs_changed([job_id], now=now)  # queued again, at its place
         jobs_dispatch_or_wake(queued=[queued_job(job)], now=now)
     else:
+        jobs_changed([job_id], now=now)  # paused
         jobs_dispatch(now=now)
     return True
 

@@ -19,6 +19,8 @@ from potocolom.transport import relay
 from potocolom.transport.notify import to_socket_after_commit
 from scheduling.dispatcher import Dispatcher, dispatcher
 from scheduling.errors import JobAlreadyEnded, JobNotPaused, TooManyJobs
+from scheduling.eta import first_etas
+from scheduling.events import job_changed_as, jobs_changed
 from scheduling.models import ENDED_STATES, HELD_STATES, UNFINISHED_STATES, Job, JobState
 from scheduling.services.dispatch import WORKERS_GROUP, jobs_dispatch, jobs_dispatch_or_wake
 from scheduling.services.job_rows import _OFF_WORKER, _drop_checkpoint, _webhook_outbox, queued_job, to_microseconds
@@ -69,6 +71,7 @@ def _queue_and_dispatch(job: Job, *, now: datetime) -> None:
     """Queue the new job and dispatch. When a worker here took it, `job` says so as the claim wrote
     it, so that the submission's answer needs no second read of the row."""
     dispatcher().push(queued_job(job))
+    job_changed_as(job, now=now)  # queued (submitted or resumed), before any dispatch's event
     for assignment in jobs_dispatch_or_wake(queued=[queued_job(job)], now=now):
         if assignment.job.job_id == str(job.id):
             job.state, job.worker_id, job.dispatched_at = JobState.DISPATCHED, assignment.worker_id, now
@@ -100,6 +103,8 @@ def job_cancel(*, job: Job, now: datetime) -> Job:
     job.refresh_from_db()
     if not cancelled:
         raise JobAlreadyEnded(f"job {job.id} already ended: {job.state}")
+    job_changed_as(job, now=now)
+    first_etas.forget(str(job.id))
     _drop_checkpoint(job)
     current = dispatcher()
     current.remove(str(job.id))
@@ -123,6 +128,7 @@ def job_requeue(*, job: Job, now: datetime) -> Job:
         holder = current.release(str(job.id))
         _tell_holder(current, holder, str(job.id), worker_id)
         current.push(queued_job(job))
+        job_changed_as(job, now=now)
         jobs_dispatch_or_wake(queued=[queued_job(job)], now=now)
     return job
 
@@ -133,6 +139,8 @@ def job_pause(*, job: Job, now: datetime) -> Job:
     becomes paused when its worker answers. A paused one stays so. JobAlreadyEnded for an ended one."""
     if Job.objects.filter(id=job.id, state=JobState.QUEUED).update(state=JobState.PAUSED):
         dispatcher().remove(str(job.id))
+        jobs_changed([str(job.id)], now=now)
+        first_etas.forget(str(job.id))
     elif Job.objects.filter(id=job.id, state__in=HELD_STATES, pause_requested=False).update(pause_requested=True):
         worker_id = Job.objects.filter(id=job.id).values_list("worker_id", flat=True).first()
         _preempt(dispatcher(), str(job.id), worker_id, now=now)
@@ -176,7 +184,8 @@ def _preempt(current: Dispatcher, job_id: str, worker_id: str | None, *, now: da
         return
     released = current.release(job_id)
     _tell_holder(current, released, job_id, worker_id)
-    Job.objects.filter(id=job_id, state__in=HELD_STATES).update(
-        state=JobState.PAUSED, pause_requested=False, preemptions=F("preemptions") + 1, **_OFF_WORKER)
+    if Job.objects.filter(id=job_id, state__in=HELD_STATES).update(
+            state=JobState.PAUSED, pause_requested=False, preemptions=F("preemptions") + 1, **_OFF_WORKER):
+        jobs_changed([job_id], now=now)
     if released:
         jobs_dispatch(now=now)

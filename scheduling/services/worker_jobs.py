@@ -13,6 +13,7 @@ from potocolom.protocol.worker import Cancel
 from potocolom.transport.notify import to_socket_after_commit
 from scheduling.checkpoints import checkpoint_discard
 from scheduling.dispatcher import dispatcher
+from scheduling.events import jobs_changed
 from scheduling.models import HELD_STATES, Job, JobState
 from scheduling.policy import HeldJob, QueuedJob, retry_decision
 from scheduling.services.dispatch import jobs_dispatch, jobs_dispatch_or_wake
@@ -28,6 +29,7 @@ def jobs_return(*, job_ids: set[str], now: datetime) -> None:
     and fails with worker_lost the second time."""
     current = dispatcher()
     requeued: list[QueuedJob] = []
+    changed: list[str] = []
     for job in Job.objects.filter(id__in=job_ids, state__in=HELD_STATES):
         current.release(str(job.id))
         if retry_decision(attempts=job.attempts) == "requeue":
@@ -37,8 +39,12 @@ def jobs_return(*, job_ids: set[str], now: datetime) -> None:
             if back == JobState.QUEUED:
                 current.push(queued_job(job))
                 requeued.append(queued_job(job))
+            if back is not None:
+                changed.append(str(job.id))
         elif _fail_lost(job.id, now=now):
             checkpoint_discard(job.checkpoint)
+            changed.append(str(job.id))
+    jobs_changed(changed, now=now)  # back in the queue (or paused), or failed
     jobs_dispatch_or_wake(queued=requeued, now=now)
 
 

@@ -1,0 +1,112 @@
+"""The account's job socket /ws/jobs/: translates the job events of scheduling.events (every API
+process's, through the account's group) into `job` and `job_progress` messages for the client.
+The story: docs/protocol.md, "/ws/jobs/"."""
+from __future__ import annotations
+
+import json
+import uuid
+from functools import partial
+from typing import Any
+from urllib.parse import parse_qs
+
+from channels.db import database_sync_to_async
+from django.conf import settings
+
+from potocolom.protocol import close_codes
+from potocolom.transport import relay
+from potocolom.transport.relay import RelayConsumer
+from scheduling import selectors
+from scheduling.events import account_group, job_of_snapshot
+from scheduling.serializers import job_payload
+
+MAX_JOB_FILTERS = 200  # `?job_id=` values one socket may name
+
+
+class JobEventsConsumer(RelayConsumer):
+    """One client's view of its account's jobs (all of them, or the `?job_id=` ones)."""
+
+    account_id: str | None = None
+    group: str | None = None
+    job_ids: frozenset[str] = frozenset()
+    origin = ""
+
+    async def connect(self) -> None:
+        """Accept, then listen to the account's job events, or close with the code that says why not."""
+        await self.accept()
+        query = parse_qs(self.scope.get("query_string", b"").decode("latin-1"))
+        wanted = query.get("job_id", [])
+        if len(wanted) > MAX_JOB_FILTERS or not all(_is_uuid(job_id) for job_id in wanted):
+            await self.close(code=close_codes.BAD_QUERY, reason="job_id must be job ids (UUIDs), at most 200")
+            return
+        account = await database_sync_to_async(selectors.socket_account)(
+            user=self.scope.get("user"), token=(query.get("token") or [None])[-1] or self._header_token())
+        if account is None:
+            await self.close(code=close_codes.NOT_AUTHENTICATED, reason="not authenticated")
+            return
+        self.job_ids = frozenset(str(uuid.UUID(job_id)) for job_id in wanted)
+        self.account_id = str(account.pk)
+        self.origin = self._origin()
+        self.group = account_group(account.pk)
+        await relay.group_membership(self.channel_layer, self.group, self.channel_name)
+
+    async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
+        """The client has nothing to say on this socket: what it sends is ignored."""
+
+    async def disconnect(self, code: int) -> None:
+        if self.group is not None:
+            group, self.group = self.group, None
+            await relay.group_membership(self.channel_layer, group, self.channel_name, join=False)
+
+    # events from scheduling.events
+
+    async def jobs_job(self, event: dict[str, Any]) -> None:
+        """A job of the account changed state: the job as GET /api/v1/jobs/ID/ shows it."""
+        job, position, eta = job_of_snapshot(event["job"])
+        if not self._wants(event.get("account"), str(job.id)):
+            return
+        render = partial(job_payload, job, position=position, eta_seconds=eta, image_url=self._absolute)
+        # a job with a webhook shows its delivery, read from the database
+        payload = await database_sync_to_async(render)() if job.webhook_url else render()
+        await self.send(text_data=json.dumps({"type": "job", "job": payload}))
+
+    async def jobs_progress(self, event: dict[str, Any]) -> None:
+        """A worker's job_progress for a job of the account, its preview as sent."""
+        if not self._wants(event.get("account"), str(event.get("job_id"))):
+            return
+        message = {"type": "job_progress", "job_id": event["job_id"], "step": event["step"], "steps": event["steps"]}
+        if event.get("preview") is not None:
+            message["preview"] = event["preview"]
+        await self.send(text_data=json.dumps(message))
+
+    def _wants(self, account: Any, job_id: str) -> bool:
+        """Only the account's own events, and of those the jobs named, when some were."""
+        return (self.account_id is not None and account == self.account_id
+                and (not self.job_ids or job_id in self.job_ids))
+
+    def _header_token(self) -> str | None:
+        for name, value in self.scope.get("headers", []):
+            if name.lower() == b"authorization":
+                kind, _, token = bytes(value).decode("latin-1").partition(" ")
+                return token.strip() if kind.lower() == "token" else None
+        return None
+
+    def _origin(self) -> str:
+        """scheme://host of the URLs in a job (its images), as REST writes them for this host."""
+        host = next((bytes(value).decode("latin-1") for name, value in self.scope.get("headers", [])
+                     if name.lower() == b"host"), None)
+        if not host:
+            server = self.scope.get("server") or ("localhost", None)
+            host = server[0] if server[1] in (None, 80, 443) else f"{server[0]}:{server[1]}"
+        secure = settings.HTTPS or self.scope.get("scheme") == "wss"
+        return f"{'https' if secure else 'http'}://{host}"
+
+    def _absolute(self, path: str) -> str:
+        return self.origin + path
+
+
+def _is_uuid(value: str) -> bool:
+    try:
+        uuid.UUID(value)
+    except ValueError:
+        return False
+    return True

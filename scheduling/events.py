@@ -1,0 +1,110 @@
+"""Job events for their account's /ws/jobs/ sockets, in every API process: each state change sends
+the job as read just after its commit (with its position and estimated wait), each job_progress is
+relayed as the worker sent it (a preview too, never stored). The story: docs/protocol.md, "/ws/jobs/"."""
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from functools import partial
+from typing import Any
+
+from django.db import transaction
+from django.db.models import DateTimeField, Q
+from django.utils import timezone
+
+from potocolom.transport import relay
+from scheduling import selectors
+from scheduling.images import INIT_IMAGE, ParamsWithoutImage
+from scheduling.models import Job
+
+log = logging.getLogger(__name__)
+JOB_EVENT = "jobs.job"  # a job's state, for the consumers of its account's group
+PROGRESS_EVENT = "jobs.progress"  # a worker's job_progress, relayed
+# A job's row as an event carries it: every column but params (which may hold an init image); the
+# params as shown, without it.
+_FIELDS = tuple(f.attname for f in Job._meta.concrete_fields if f.attname != "params")
+_DATETIMES = frozenset(f.attname for f in Job._meta.concrete_fields if isinstance(f, DateTimeField))
+
+
+def account_group(account_id: int | str) -> str:
+    """The channel-layer group of one account's job sockets, in every API process."""
+    return f"potocolom.jobs.account.{account_id}"
+
+
+def jobs_changed(job_ids: Iterable[str], *, now: datetime | None = None) -> None:
+    """These jobs changed state: once the transaction commits, each is read and sent to its account's
+    sockets (two changes close together may both read the later state)."""
+    ids = sorted({str(job_id) for job_id in job_ids})
+    if ids:
+        transaction.on_commit(partial(_publish_read, ids, now=now))
+
+
+def job_changed_as(job: Job, *, now: datetime | None = None) -> None:
+    """`job` changed state and the instance says how (a submission): sent as it is after the commit,
+    without reading it again."""
+    transaction.on_commit(partial(_publish, [job], now=now))
+
+
+def job_progressed(*, account_id: int | str, job_id: str, step: int, steps: int, preview: str | None) -> None:
+    """A worker's job_progress for the job's account, after the commit; a preview is passed on as
+    sent and kept nowhere."""
+    event: dict[str, Any] = {"type": PROGRESS_EVENT, "account": str(account_id), "job_id": job_id, "step": step,
+                             "steps": steps}
+    if preview is not None:
+        event["preview"] = preview
+    transaction.on_commit(partial(relay.group_send_everywhere_sync, account_group(account_id), event))
+
+
+def _publish_read(ids: list[str], *, now: datetime | None) -> None:
+    try:
+        jobs = list(Job.objects.filter(id__in=ids).defer("params").annotate(
+            shown_params=ParamsWithoutImage(), has_init_image=Q(params__has_key=INIT_IMAGE)))
+    except Exception:  # a notice: the change is in the database, and REST shows it
+        log.exception("could not read jobs %s for their events", ids)
+        return
+    _publish(jobs, now=now)
+
+
+def _publish(jobs: Sequence[Job], *, now: datetime | None) -> None:
+    try:
+        positions = selectors.positions_of(jobs)
+        etas = selectors.etas_of(jobs, positions=positions, now=now or timezone.now())
+    except Exception:
+        log.exception("could not place jobs for their events")
+        positions, etas = {}, {}
+    for job in jobs:
+        event = {"type": JOB_EVENT, "account": str(job.account_id),
+                 "job": snapshot_of(job, position=positions.get(str(job.id)), eta_seconds=etas.get(str(job.id)))}
+        relay.group_send_everywhere_sync(account_group(job.account_id), event)
+
+
+def snapshot_of(job: Job, *, position: int | None, eta_seconds: float | None) -> dict[str, Any]:
+    """A job as JSON-ready plain data, for a consumer to render as REST does (job_of_snapshot)."""
+    fields: dict[str, Any] = {}
+    for name in _FIELDS:
+        value = getattr(job, name)
+        if isinstance(value, datetime):
+            value = value.isoformat()
+        elif isinstance(value, uuid.UUID):
+            value = str(value)
+        fields[name] = value
+    listed = getattr(job, "shown_params", None)
+    if listed is not None:
+        params, has_image = listed, bool(getattr(job, "has_init_image", False))
+    else:
+        has_image = isinstance(job.params, dict) and INIT_IMAGE in job.params
+        params = {k: v for k, v in job.params.items() if k != INIT_IMAGE} if has_image else job.params
+    return {"fields": fields, "shown_params": params, "has_init_image": has_image, "position": position,
+            "eta_seconds": eta_seconds}
+
+
+def job_of_snapshot(snapshot: dict[str, Any]) -> tuple[Job, int | None, float | None]:
+    """The job, its position and its estimated wait, from snapshot_of's data."""
+    fields = {name: (datetime.fromisoformat(value) if name in _DATETIMES and isinstance(value, str) else value)
+              for name, value in snapshot["fields"].items() if name in _FIELDS}
+    job = Job(**fields)
+    job.shown_params = snapshot.get("shown_params")  # type: ignore[attr-defined]  # as a page of jobs reads it
+    job.has_init_image = bool(snapshot.get("has_init_image"))  # type: ignore[attr-defined]
+    return job, snapshot.get("position"), snapshot.get("eta_seconds")
