@@ -45,7 +45,9 @@ def webhook_deliveries_claim(*, now: datetime, limit: int, lease_seconds: float)
     for delivery_id, due_at in due:
         if WebhookDelivery.objects.filter(id=delivery_id, state=WebhookState.PENDING, due_at=due_at).update(
                 due_at=until):
-            claimed.append(WebhookDelivery.objects.select_related("job").get(id=delivery_id))
+            delivery = WebhookDelivery.objects.select_related("job", "job__account").filter(id=delivery_id).first()
+            if delivery is not None:  # None: its job was deleted meanwhile (the row went with it)
+                claimed.append(delivery)
     return claimed
 
 
