@@ -3,6 +3,7 @@ gone, their real warnings are not ("Logs" in docs/operations.md)."""
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import pytest
 
@@ -29,7 +30,7 @@ def test_a_vae_cast_says_nothing_about_an_empty_float32_list(caplog) -> None:
     import torch
     from diffusers import AutoencoderKL
 
-    vae = AutoencoderKL(block_out_channels=(8,), layers_per_block=1, norm_num_groups=8, latent_channels=4,
+    vae: Any = AutoencoderKL(block_out_channels=(8,), layers_per_block=1, norm_num_groups=8, latent_channels=4,
                         down_block_types=("DownEncoderBlock2D",), up_block_types=("UpDecoderBlock2D",))
 
     with caplog.at_level(logging.WARNING):
