@@ -13,6 +13,9 @@ from jsonschema.validators import validator_for
 
 TIERS = ("draft", "standard", "premium")
 CAPABILITIES = ("txt2img", "img2img")
+# The diffusers pipelines a manifest may name, one per model family (PROTOCOL.md "Model families"):
+# SD 1.x/2.x, SDXL (also Turbo), SD3 and Flux; img2img comes from the same weights.
+PIPELINES = ("StableDiffusionPipeline", "StableDiffusionXLPipeline", "StableDiffusion3Pipeline", "FluxPipeline")
 REQUIRED_FIELDS = ("model_id", "tier", "cost", "capabilities", "pipeline", "source", "params_schema")
 SIDE_PARAMS = ("width", "height")
 STEPS_PARAM = "steps"
@@ -89,6 +92,9 @@ def parse_manifest(item: Any, *, origin: str) -> Manifest:
     for name in ("pipeline", "source"):
         if not isinstance(item[name], str) or not item[name].strip():
             raise bad(name, "must be a non-empty string")
+    if item["pipeline"] not in PIPELINES:
+        raise bad("pipeline", f"must name a pipeline of a model family served: one of {', '.join(PIPELINES)}, "
+                              f"got {item['pipeline']!r}")
     schema = item["params_schema"]
     if not isinstance(schema, dict):
         raise bad("params_schema", "must be a JSON Schema object")

@@ -259,53 +259,81 @@ def denoising(pipe: Any, *, resume: Checkpoint | None = None, on_start: StartSee
 
     It narrows, on these two objects only and for this call only, the two methods the pipeline calls
     before its first step: the scheduler's set_timesteps (which then hands the pipeline the timesteps
-    left) and the pipeline's prepare_latents (which puts the full schedule and the captured state back
-    on the scheduler, where its steps read them, and returns the captured latents unchanged).
+    left) and the pipeline's prepare_latents (which returns the captured latents unchanged). The
+    captured scheduler state goes back in whichever of the two comes second: SD and SDXL set their
+    timesteps first, and prepare_latents puts the full schedule back too; SD3's txt2img prepares its
+    latents first, and set_timesteps puts the state back (its steps read the sigmas by the begin
+    index, never the sliced timesteps, which the call's end replaces with the full schedule). Once
+    the state is back, a set_begin_index of the pipeline's own (SDXL's txt2img sets 0 just before
+    its loop) counts from where the schedule it was handed begins: the resumed index is added.
     """
     if resume is None and on_start is None:
         yield
         return
     scheduler = pipe.scheduler
-    if "prepare_latents" in vars(pipe) or "set_timesteps" in vars(scheduler):
+    if "prepare_latents" in vars(pipe) or {"set_timesteps", "set_begin_index"} & set(vars(scheduler)):
         raise RuntimeError("a pipeline call is already being resumed or watched")
     real_prepare, real_set_timesteps = pipe.prepare_latents, scheduler.set_timesteps
     signature = inspect.signature(real_prepare)
     full_schedule: list[Any] = []
+    prepared: list[tuple[Any, Any]] = []  # (latents, device) once prepare_latents has run
+
+    def cannot_resume() -> RuntimeError:
+        return RuntimeError(f"{type(pipe).__name__} does not set its timesteps once and prepare its latents "
+                            "once, so it cannot be resumed")
+
+    def restore(device: Any) -> None:
+        assert resume is not None
+        restore_scheduler(scheduler, resume.scheduler, device)
+        real_set_begin = getattr(scheduler, "set_begin_index", None)
+        if real_set_begin is not None:
+            offset = resume.scheduler.index
+
+            def set_begin_index(begin_index: int = 0) -> None:
+                real_set_begin(begin_index + offset)
+
+            scheduler.set_begin_index = set_begin_index
 
     def set_timesteps(*args: Any, **kwargs: Any) -> None:
         real_set_timesteps(*args, **kwargs)
-        assert resume is not None
         full_schedule.append(scheduler.timesteps)
-        scheduler.timesteps = scheduler.timesteps[resume.scheduler.index:]
+        if resume is not None:
+            if len(full_schedule) != 1:
+                raise cannot_resume()
+            if prepared:  # latents first (SD3): the state goes back now, after set_timesteps reset it
+                restore(prepared[0][1])
+            scheduler.timesteps = scheduler.timesteps[resume.scheduler.index:]
+        if prepared and on_start is not None and len(full_schedule) == 1:
+            on_start(prepared[0][0], resume.scheduler.index if resume is not None else _first_index(scheduler, None))
 
     def prepare_latents(*args: Any, **kwargs: Any) -> Any:
         arguments = signature.bind(*args, **kwargs).arguments
         if resume is None:
             latents = real_prepare(*args, **kwargs)
-            index = _first_index(scheduler, arguments.get("timestep"))
         else:
-            if len(full_schedule) != 1 or "latents" not in signature.parameters:
-                raise RuntimeError(f"{type(pipe).__name__} does not set its timesteps once and then prepare "
-                                   "latents, so it cannot be resumed")
-            scheduler.timesteps = full_schedule[0]
-            restore_scheduler(scheduler, resume.scheduler, arguments["device"])
+            if len(full_schedule) > 1 or prepared or "latents" not in signature.parameters:
+                raise cannot_resume()
+            if full_schedule:  # timesteps first (SD, SDXL): the full schedule and the state go back now
+                scheduler.timesteps = full_schedule[0]
+                restore(arguments["device"])
             latents = resume.latents.to(device=arguments["device"], dtype=arguments["dtype"])
-            index = resume.scheduler.index
-        if on_start is not None:
+        prepared.append((latents, arguments.get("device")))
+        if full_schedule and on_start is not None:
+            index = resume.scheduler.index if resume is not None else _first_index(scheduler, arguments.get("timestep"))
             on_start(latents, index)
         return latents
 
     pipe.prepare_latents = prepare_latents
-    if resume is not None:
-        scheduler.set_timesteps = set_timesteps
+    scheduler.set_timesteps = set_timesteps
     try:
         yield
     finally:
         del pipe.prepare_latents
-        if resume is not None:
-            del scheduler.set_timesteps
-            if full_schedule:
-                scheduler.timesteps = full_schedule[0]  # left early (an error): no sliced schedule stays
+        del scheduler.set_timesteps
+        if "set_begin_index" in vars(scheduler):
+            del scheduler.set_begin_index
+        if full_schedule:
+            scheduler.timesteps = full_schedule[0]  # no sliced schedule stays after the call
 
 
 def _channels_last(tensors: dict[str, torch.Tensor]) -> list[str]:

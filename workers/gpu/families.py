@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from potocolom.protocol.manifests import PIPELINES
+
 FAMILY_SD = "sd"  # Stable Diffusion 1.x/2.x: UNet, one CLIP encoder
 FAMILY_SDXL = "sdxl"  # SDXL (also Turbo): UNet with added time ids and pooled embeds, two CLIP encoders
 FAMILY_SD3 = "sd3"  # SD3: MMDiT transformer, flow matching, two CLIP encoders and an optional T5
@@ -15,9 +17,6 @@ FAMILIES = (FAMILY_SD, FAMILY_SDXL, FAMILY_SD3, FAMILY_FLUX)
 # "StableDiffusionXL..." and "StableDiffusion3..." must win over "StableDiffusion...".
 _PREFIXES = (("StableDiffusionXL", FAMILY_SDXL), ("StableDiffusion3", FAMILY_SD3), ("Flux", FAMILY_FLUX),
              ("StableDiffusion", FAMILY_SD))
-# The manifest pipeline names each family is served from (PROTOCOL.md "Model families").
-PIPELINE_NAMES = {"StableDiffusionPipeline": FAMILY_SD, "StableDiffusionXLPipeline": FAMILY_SDXL,
-                  "StableDiffusion3Pipeline": FAMILY_SD3, "FluxPipeline": FAMILY_FLUX}
 
 
 class UnknownFamily(ValueError):
@@ -45,7 +44,7 @@ def family_of(pipe: Any) -> str:
                         "Flux)")
 
 
-def denoiser_of(pipe: Any) -> Any:
-    """The module that denoises: the UNet (SD, SDXL) or the transformer (SD3, Flux)."""
-    unet = getattr(pipe, "unet", None)
-    return unet if unet is not None else getattr(pipe, "transformer", None)
+def pipeline_families() -> dict[str, str]:
+    """Each pipeline name a manifest may give (manifests.PIPELINES) with its family."""
+    return {name: family_of_class_name(name) for name in PIPELINES}
+

@@ -11,7 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from workers.gpu.ladder import WORKING_FLOOR_BYTES, ComponentFootprint, Footprint, working_parts
+from workers.gpu.ladder import WORKING_FLOOR_BYTES, ComponentFootprint, Footprint, transformer_working, working_parts
 from workers.gpu.limits import MAX_IMAGE_SIDE, allowed_maximum
 
 DEFAULT_IMAGE_SIZE = 512
@@ -60,19 +60,60 @@ def largest_size(schema: Mapping[str, Any], key: str, cap: int = MAX_IMAGE_SIDE)
     return allowed_maximum(schema, key, cap)
 
 
-def _channels(module: Any) -> list[int]:
+def _channels(config: Mapping[str, Any] | None) -> list[int]:
+    channels = (config or {}).get("block_out_channels")
+    return [int(c) for c in channels] if isinstance(channels, (list, tuple)) and channels else []
+
+
+def _config(module: Any) -> dict[str, Any] | None:
     config = getattr(module, "config", None)
-    channels = getattr(config, "block_out_channels", None) if config is not None else None
-    return [int(c) for c in channels] if channels else []
+    return dict(config) if config is not None else None
+
+
+DENOISERS = ("unet", "transformer")  # the component that denoises: a UNet (SD, SDXL) or a transformer (SD3, Flux)
 
 
 def default_size(pipe: Any) -> int:
-    """The pipeline's own default width and height: UNet sample size times the VAE's scale (512
-    for a pipeline without a UNet)."""
-    unet = getattr(pipe, "unet", None)
-    if unet is None:
-        return DEFAULT_IMAGE_SIZE
-    return int(unet.config.sample_size * pipe.vae_scale_factor)
+    """The pipeline's own default width and height: the UNet's (or transformer's) sample size
+    times the VAE's scale (512 for a pipeline with neither)."""
+    for name in DENOISERS:
+        module = getattr(pipe, name, None)
+        if module is not None:
+            return int(module.config.sample_size * pipe.vae_scale_factor)
+    return DEFAULT_IMAGE_SIZE
+
+
+def denoiser_working(config: Mapping[str, Any] | None, *, width: int, height: int, vae_scale_factor: int,
+                     dtype_bytes: int) -> int:
+    """The denoiser's activations (floor excluded) from its config: a UNet's by its block channels
+    (ladder.working_parts), a transformer's by its tokens and width (ladder.transformer_working)."""
+    if not config:
+        return 0
+    channels = _channels(config)
+    if channels:
+        unet, _ = working_parts(width=width, height=height, vae_scale_factor=vae_scale_factor, unet_channels=channels,
+                                vae_channels=[], dtype_bytes=dtype_bytes)
+        return unet
+    heads, head_dim = config.get("num_attention_heads"), config.get("attention_head_dim")
+    if isinstance(heads, int) and isinstance(head_dim, int):
+        return transformer_working(width=width, height=height, vae_scale_factor=vae_scale_factor,
+                                   patch_size=int(config.get("patch_size") or 1), hidden_size=heads * head_dim,
+                                   dtype_bytes=dtype_bytes)
+    return 0
+
+
+def _working_of(denoisers: Mapping[str, Mapping[str, Any] | None], vae: Mapping[str, Any] | None, *,
+                size: tuple[int, int], vae_scale_factor: int, dtype_bytes: int) -> tuple[dict[str, int], int]:
+    """(each component's own working memory, the model's whole working memory) for one image."""
+    _, vae_bytes = working_parts(width=size[0], height=size[1], vae_scale_factor=vae_scale_factor, unet_channels=[],
+                                 vae_channels=_channels(vae), dtype_bytes=dtype_bytes)
+    own = {name: denoiser_working(config, width=size[0], height=size[1], vae_scale_factor=vae_scale_factor,
+                                  dtype_bytes=dtype_bytes) for name, config in denoisers.items()}
+    denoiser_bytes = max(own.values(), default=0)
+    whole = max(denoiser_bytes, vae_bytes) + WORKING_FLOOR_BYTES
+    if not (denoiser_bytes and vae_bytes):
+        return {}, whole
+    return {**{name: n for name, n in own.items() if n}, "vae": vae_bytes}, whole
 
 
 def pipeline_footprint(model_id: str, pipe: Any, schema: Mapping[str, Any],
@@ -80,22 +121,23 @@ def pipeline_footprint(model_id: str, pipe: Any, schema: Mapping[str, Any],
     """The footprint of a loaded diffusers pipeline (modules still on the CPU, at their run dtype),
     for the largest image its schema allows, `max_side` (MAX_IMAGE_SIDE) where it sets no maximum
     (or `size`, width and height). Steps change a job's time, not its memory: they are not in it.
+    Every module counts: the UNet or transformer, each text encoder (1, 2 and 3), the VAE.
 
-    A pipeline with a UNet and a VAE carries each one's own working memory (offload rungs run them
-    one at a time); any other keeps only the whole model's (see Footprint.transient_bytes)."""
+    A pipeline with a denoiser (UNet or transformer) and a VAE carries each one's own working
+    memory (offload rungs run them one at a time); any other keeps only the whole model's (see
+    Footprint.transient_bytes)."""
     import torch
 
     modules = {name: c for name, c in pipe.components.items() if isinstance(c, torch.nn.Module)}
     dtype_bytes = max((p.element_size() for m in modules.values() for p in m.parameters()), default=4)
     if size is None:
         size = largest_size(schema, "width", max_side), largest_size(schema, "height", max_side)
-    unet_channels, vae_channels = _channels(modules.get("unet")), _channels(modules.get("vae"))
-    unet, vae = working_parts(width=size[0], height=size[1], vae_scale_factor=int(getattr(pipe, "vae_scale_factor", 8)),
-                              unet_channels=unet_channels, vae_channels=vae_channels, dtype_bytes=dtype_bytes)
-    own = {"unet": unet, "vae": vae} if unet_channels and vae_channels else {}
+    own, whole = _working_of({name: _config(modules.get(name)) for name in DENOISERS if name in modules},
+                             _config(modules.get("vae")), size=size,
+                             vae_scale_factor=int(getattr(pipe, "vae_scale_factor", 8)), dtype_bytes=dtype_bytes)
     components = tuple(replace(component_footprint(name, module), working_bytes=own.get(name, 0))
                        for name, module in modules.items())
-    return Footprint(model_id=model_id, components=components, working_bytes=max(unet, vae) + WORKING_FLOOR_BYTES)
+    return Footprint(model_id=model_id, components=components, working_bytes=whole)
 
 
 def safetensors_header(path: str | Path) -> dict[str, Any]:
@@ -177,19 +219,19 @@ def saved_footprint(model_id: str, folder: str | Path, schema: Mapping[str, Any]
     components = [footprint for name in sorted(index) if not name.startswith("_") and (folder / name).is_dir()
                   for footprint in [saved_component_footprint(name, folder / name, dtype_bytes=dtype_bytes)]
                   if footprint is not None]
-    unet_channels, vae_channels = _saved_channels(folder / "unet"), _saved_channels(folder / "vae")
+    denoisers = {name: _saved_config(folder / name) for name in DENOISERS if (folder / name).is_dir()}
+    vae = _saved_config(folder / "vae")
     size = largest_size(schema, "width", max_side), largest_size(schema, "height", max_side)
-    unet, vae = working_parts(width=size[0], height=size[1], vae_scale_factor=2 ** max(0, len(vae_channels) - 1),
-                              unet_channels=unet_channels, vae_channels=vae_channels, dtype_bytes=dtype_bytes)
-    own = {"unet": unet, "vae": vae} if unet_channels and vae_channels else {}
+    own, whole = _working_of(denoisers, vae, size=size, vae_scale_factor=2 ** max(0, len(_channels(vae)) - 1),
+                             dtype_bytes=dtype_bytes)
     return Footprint(model_id=model_id, components=tuple(replace(c, working_bytes=own.get(c.name, 0))
                                                          for c in components),
-                     working_bytes=max(unet, vae) + WORKING_FLOOR_BYTES)
+                     working_bytes=whole)
 
 
-def _saved_channels(folder: Path) -> list[int]:
+def _saved_config(folder: Path) -> dict[str, Any] | None:
     try:
-        channels = json.loads((folder / "config.json").read_text()).get("block_out_channels")
+        config = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError):
-        return []
-    return [int(c) for c in channels] if isinstance(channels, list) else []
+        return None
+    return config if isinstance(config, dict) else None

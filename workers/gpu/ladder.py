@@ -20,6 +20,10 @@ UNET_LIVE_TENSORS = 20
 # 11 leaves room for the caching allocator's rounding. An estimate under the peak means an
 # out-of-memory error and a demotion that lasts until the worker restarts.
 VAE_LIVE_TENSORS = 11
+# values alive at once per token of a transformer block (SD3, Flux: the joint attention's q, k, v and
+# output, the MLP's 4x hidden, the residual stream and norms): an estimate not yet measured on a GPU
+TRANSFORMER_LIVE_TENSORS = 12
+TRANSFORMER_TEXT_TOKENS = 333  # SD3's joint sequence: 77 CLIP tokens and 256 T5 tokens
 WORKING_FLOOR_BYTES = 64 * MIB  # scheduler state, latents, embeddings, allocator slack
 RAM_RESERVE_BYTES = 1024 * MIB  # system RAM left to everything else when groups are kept in RAM
 
@@ -250,3 +254,13 @@ def working_bytes(*, width: int, height: int, vae_scale_factor: int, unet_channe
     return max(working_parts(width=width, height=height, vae_scale_factor=vae_scale_factor,
                              unet_channels=unet_channels, vae_channels=vae_channels,
                              dtype_bytes=dtype_bytes)) + WORKING_FLOOR_BYTES
+
+
+def transformer_working(*, width: int, height: int, vae_scale_factor: int, patch_size: int, hidden_size: int,
+                        dtype_bytes: int, text_tokens: int = TRANSFORMER_TEXT_TOKENS) -> int:
+    """A transformer denoiser's (SD3's MMDiT, Flux's) activations for one image, the floor excluded:
+    CFG_BATCH x its tokens (latent pixels over patch_size squared, and the text's) x hidden_size,
+    TRANSFORMER_LIVE_TENSORS of them alive at once; attention scores left out (SDPA)."""
+    latent_pixels = width * height / max(1, vae_scale_factor) ** 2
+    tokens = latent_pixels / max(1, patch_size) ** 2 + text_tokens
+    return int(CFG_BATCH * tokens * hidden_size * TRANSFORMER_LIVE_TENSORS * dtype_bytes)

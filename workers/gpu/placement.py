@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import logging
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from potocolom.protocol.rungs import RUNG_FULL, RUNG_GROUP_OFFLOAD, RUNG_MODEL_OFFLOAD, RUNGS
@@ -102,7 +104,7 @@ def read_modules(model: InstalledModel, device: str) -> Modules:
         raise PipelineLoadError(f"model {model.model_id}: diffusers has no pipeline {model.pipeline!r}")
     dtype = torch_dtype_for(device)
     try:
-        pipe = pipeline_class.from_pretrained(model.source, dtype=dtype)
+        pipe = pipeline_class.from_pretrained(model.source, dtype=dtype, **left_out_components(model.source))
     except (OSError, ValueError) as exc:
         raise PipelineLoadError(f"model {model.model_id}: cannot load {model.source}: {exc}") from exc
     pipe.set_progress_bar_config(disable=True)
@@ -120,6 +122,21 @@ def read_modules(model: InstalledModel, device: str) -> Modules:
         modules.img2img.set_progress_bar_config(disable=True)
         modules.frames.set_progress_bar_config(disable=True)
     return modules
+
+
+def left_out_components(source: str) -> dict[str, None]:
+    """`name=None` for each component a saved pipeline left out (`[null, null]` in its
+    model_index.json: SD3 without its T5 encoder), which diffusers' from_pretrained must be told
+    again; nothing for a hub id or a folder without that file."""
+    path = Path(source) / "model_index.json"
+    try:
+        index = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(index, dict):
+        return {}
+    return {name: None for name, entry in index.items()
+            if not name.startswith("_") and isinstance(entry, list) and entry and all(e is None for e in entry)}
 
 
 def offload_dir_for(model_id: str, to_disk: bool) -> str | None:

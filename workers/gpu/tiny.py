@@ -1,14 +1,18 @@
-"""A tiny random-weight Stable-Diffusion-style pipeline (the sizes of diffusers' own dummy
-components), seeded and written offline with its manifest, for CPU demos and tests: the same
-loading and denoising code as a real model, in about 8 MB."""
+"""Tiny random-weight pipelines of each model family, SD, SDXL and SD3 (the sizes of diffusers' own
+dummy components), seeded and written offline with their manifests, for CPU demos and tests: the
+same loading and denoising code as a real model, in a few MB (docs/design/families.md)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
 
 TINY_MODEL_ID = "tiny-sd"
+TINY_FAMILIES = ("sd", "sdxl", "sd3")
+PIPELINES = {"sd": "StableDiffusionPipeline", "sdxl": "StableDiffusionXLPipeline",
+             "sd3": "StableDiffusion3Pipeline"}
 TINY_SEED = 0
 MAX_SEED = 2**32 - 1
 TOKENIZER_MAX_LENGTH = 77  # CLIP's; without it the pipeline pads prompts to ~1e30 tokens
@@ -20,16 +24,27 @@ _MERGES = [("t", "h"), ("th", "e</w>"), ("i", "n"), ("e", "r</w>"), ("a", "n</w>
 _BOS, _EOS = "<|startoftext|>", "<|endoftext|>"
 
 
-def tiny_manifest() -> dict[str, Any]:
-    """The manifest of the tiny model; `source` "." is the folder holding the manifest."""
+def tiny_model_id(family: str = "sd") -> str:
+    """"tiny-sd", "tiny-sdxl" or "tiny-sd3"."""
+    return f"tiny-{_checked(family)}"
+
+
+def _checked(family: str) -> str:
+    if family not in TINY_FAMILIES:
+        raise ValueError(f"family must be one of {', '.join(TINY_FAMILIES)}, got {family!r}")
+    return family
+
+
+def tiny_manifest(family: str = "sd") -> dict[str, Any]:
+    """The manifest of the tiny model of `family`; `source` "." is the folder holding the manifest."""
     text = {"type": "string", "maxLength": 1000}
     size = {"type": "integer", "enum": list(SIZES)}
     return {
-        "model_id": TINY_MODEL_ID,
+        "model_id": tiny_model_id(family),
         "tier": "draft",
         "cost": 1.0,
         "capabilities": ["txt2img", "img2img"],
-        "pipeline": "StableDiffusionPipeline",
+        "pipeline": PIPELINES[family],
         "source": ".",
         "params_schema": {
             "type": "object",
@@ -108,16 +123,106 @@ def _components(scratch: Path) -> dict[str, Any]:
             "image_encoder": None, "requires_safety_checker": False}
 
 
-def make_tiny_model(directory: str | os.PathLike[str]) -> Path:
-    """Write the tiny pipeline into `directory` with `save_pretrained`, and its manifest as
-    `directory/manifest.json`; return the manifest's absolute path. Offline and deterministic."""
+def _clip_encoder(tokenizer: Any, *, projection: bool) -> Any:
+    """A seeded tiny CLIP text encoder (with a projection: SDXL's second, SD3's two) for `tokenizer`."""
+    import torch
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    vocab = tokenizer.get_vocab()
+    config = CLIPTextConfig(
+        hidden_size=32, intermediate_size=37, num_hidden_layers=5, num_attention_heads=4, layer_norm_eps=1e-5,
+        vocab_size=TEXT_VOCAB_SIZE, max_position_embeddings=TOKENIZER_MAX_LENGTH, projection_dim=32,
+        hidden_act="gelu", bos_token_id=vocab[_BOS], eos_token_id=vocab[_EOS], pad_token_id=vocab[_EOS])
+    torch.manual_seed(TINY_SEED)
+    return CLIPTextModelWithProjection(config) if projection else CLIPTextModel(config)
+
+
+def _tokenizers(scratch: Path, count: int) -> list[Any]:
+    """`count` CLIP tokenizers over the tiny BPE (written into `scratch` first)."""
+    from transformers import CLIPTokenizer
+
+    write_tokenizer_files(scratch)
+    return [CLIPTokenizer.from_pretrained(str(scratch), model_max_length=TOKENIZER_MAX_LENGTH) for _ in range(count)]
+
+
+def _vae(latent_channels: int, **extra: Any) -> Any:
+    import torch
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(TINY_SEED)
+    return AutoencoderKL(
+        block_out_channels=[32, 64], in_channels=3, out_channels=3,
+        down_block_types=["DownEncoderBlock2D", "DownEncoderBlock2D"],
+        up_block_types=["UpDecoderBlock2D", "UpDecoderBlock2D"], latent_channels=latent_channels,
+        norm_num_groups=2, **extra)
+
+
+def _sdxl_components(scratch: Path) -> dict[str, Any]:
+    """SDXL's modules (diffusers' SDXL dummy components, with its time ids and pooled embeds):
+    a UNet with `text_time` added embeddings, CLIP and CLIP-with-projection encoders."""
+    import torch
+    from diffusers import EulerDiscreteScheduler, UNet2DConditionModel
+
+    tokenizer, tokenizer_2 = _tokenizers(scratch, 2)
+    torch.manual_seed(TINY_SEED)
+    unet = UNet2DConditionModel(
+        block_out_channels=(32, 64), layers_per_block=2, sample_size=32, in_channels=4, out_channels=4,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), attention_head_dim=(2, 4), use_linear_projection=True,
+        addition_embed_type="text_time", addition_time_embed_dim=8, transformer_layers_per_block=(1, 2),
+        projection_class_embeddings_input_dim=80,  # 6 time ids x 8 + the pooled embeds' 32
+        cross_attention_dim=64, norm_num_groups=2)  # both encoders' hidden states side by side: 32 + 32
+    scheduler = EulerDiscreteScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+                                       num_train_timesteps=1000, steps_offset=1, timestep_spacing="leading")
+    return {"unet": unet, "vae": _vae(4), "text_encoder": _clip_encoder(tokenizer, projection=False),
+            "tokenizer": tokenizer, "text_encoder_2": _clip_encoder(tokenizer_2, projection=True),
+            "tokenizer_2": tokenizer_2, "scheduler": scheduler, "image_encoder": None, "feature_extractor": None,
+            "force_zeros_for_empty_prompt": True}
+
+
+def _sd3_components(scratch: Path) -> dict[str, Any]:
+    """SD3's modules (diffusers' SD3 dummy components): an MMDiT transformer on 16 latent channels
+    (SD3's own), flow matching, two CLIP-with-projection encoders and no T5 (diffusers then
+    encodes its part as zeros)."""
+    import torch
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+
+    tokenizer, tokenizer_2 = _tokenizers(scratch, 2)
+    torch.manual_seed(TINY_SEED)
+    transformer = SD3Transformer2DModel(
+        sample_size=32, patch_size=1, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=8,
+        num_attention_heads=4, caption_projection_dim=32,
+        joint_attention_dim=64,  # the CLIP encoders' hidden states side by side (T5's width when it is there)
+        pooled_projection_dim=64)  # both encoders' pooled projections: 32 + 32
+    vae = _vae(16, use_quant_conv=False, use_post_quant_conv=False, shift_factor=0.0609, scaling_factor=1.5035)
+    return {"transformer": transformer, "vae": vae, "text_encoder": _clip_encoder(tokenizer, projection=True),
+            "tokenizer": tokenizer, "text_encoder_2": _clip_encoder(tokenizer_2, projection=True),
+            "tokenizer_2": tokenizer_2, "text_encoder_3": None, "tokenizer_3": None,
+            "scheduler": FlowMatchEulerDiscreteScheduler(shift=3.0), "image_encoder": None,
+            "feature_extractor": None}
+
+
+def make_tiny_model(directory: str | os.PathLike[str], family: str = "sd") -> Path:
+    """Write the tiny pipeline of `family` ("sd", "sdxl" or "sd3") into `directory` with
+    `save_pretrained`, and its manifest as `directory/manifest.json`; return the manifest's
+    absolute path. Offline and deterministic."""
+    _checked(family)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for the hub, even by accident
-    from diffusers import StableDiffusionPipeline
+    import diffusers
 
     target = Path(directory).resolve()
     target.mkdir(parents=True, exist_ok=True)
-    pipe: Any = StableDiffusionPipeline(**_components(target / "tokenizer"))
-    pipe.save_pretrained(str(target), safe_serialization=True)
+    scratch = target / "tokenizer"
+    build = {"sd": _components, "sdxl": _sdxl_components, "sd3": _sd3_components}[family]
+    pipe: Any = getattr(diffusers, PIPELINES[family])(**build(scratch))
+    # SD3 leaves out its T5 encoder: diffusers warns that None "cannot be saved" (it is written as null).
+    pipeline_log = logging.getLogger("diffusers.pipelines.pipeline_utils")
+    level = pipeline_log.level
+    pipeline_log.setLevel(logging.ERROR)
+    try:
+        pipe.save_pretrained(str(target), safe_serialization=True)
+    finally:
+        pipeline_log.setLevel(level)
     manifest_path = target / "manifest.json"
-    manifest_path.write_text(json.dumps(tiny_manifest(), indent=2) + "\n", encoding="utf-8")
+    manifest_path.write_text(json.dumps(tiny_manifest(family), indent=2) + "\n", encoding="utf-8")
     return manifest_path
