@@ -174,8 +174,11 @@ def _sdxl_components(scratch: Path) -> dict[str, Any]:
         cross_attention_dim=64, norm_num_groups=2)  # both encoders' hidden states side by side: 32 + 32
     scheduler = EulerDiscreteScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
                                        num_train_timesteps=1000, steps_offset=1, timestep_spacing="leading")
-    return {"unet": unet, "vae": _vae(4), "text_encoder": _clip_encoder(tokenizer, projection=False),
-            "tokenizer": tokenizer, "text_encoder_2": _clip_encoder(tokenizer_2, projection=True),
+    # force_upcast off, as in SDXL's fp16-fixed VAE: img2img would otherwise cast the VAE to float32
+    # on every call (and log a warning each time).
+    return {"unet": unet, "vae": _vae(4, force_upcast=False),
+            "text_encoder": _clip_encoder(tokenizer, projection=False), "tokenizer": tokenizer,
+            "text_encoder_2": _clip_encoder(tokenizer_2, projection=True),
             "tokenizer_2": tokenizer_2, "scheduler": scheduler, "image_encoder": None, "feature_extractor": None,
             "force_zeros_for_empty_prompt": True}
 

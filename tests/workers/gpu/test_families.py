@@ -15,6 +15,7 @@ from potocolom.protocol.rungs import RUNG_FULL, RUNG_GROUP_OFFLOAD, RUNG_MODEL_O
 from tests.workers.gpu.test_checkpoints import IMG2IMG, TXT2IMG, over_the_wire, preempted_at, same_pixels
 from workers.gpu.footprints import block_groups, pipeline_footprint
 from workers.gpu.installed import InstalledModel, discover_models
+from workers.gpu.loading import load_pipelines, measure_step_ms, realtime_capacity
 from workers.gpu.models_on_demand import InstalledCatalog, needs_mib
 from workers.gpu.pipelines import DiffusersPipeline, FrameRequest, family_of
 from workers.gpu.tiny import make_tiny_model, tiny_manifest
@@ -184,3 +185,17 @@ def test_installed_needs_read_from_the_saved_files_match_the_loaded_model(
     # The files hold the tensors less the buffers made at load (CLIP's position ids): within a MiB.
     assert all(0 <= loaded[rung] - entry.needs_mib[rung] <= 1 for rung in RUNGS), (loaded, entry.needs_mib)
     assert all(n > 64 for n in entry.needs_mib.values())  # the working floor and more
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_loaded_by_the_ladder_it_has_a_step_time_and_realtime_slots(family_models: dict[str, InstalledModel],
+                                                                    family: str) -> None:
+    model = family_models[family]
+    loaded = load_pipelines([model], "cpu")
+    pipeline = loaded.pipelines[model.model_id]
+
+    step_ms = measure_step_ms(pipeline)
+    capacity = realtime_capacity(model.model_id, pipeline, 300.0)  # a short budget: few batches measured
+
+    assert pipeline.rung == RUNG_FULL and step_ms is not None and step_ms > 0
+    assert capacity is not None and (capacity.width, capacity.height) == (64, 64) and 1 in capacity.measured
