@@ -95,6 +95,7 @@ class WorkerClient:
         self.welcomes = 0  # how many connections got as far as a welcome
         self.protocol = 1  # the protocol of the current connection: 2 once a v2 welcome came
         self.checkpoint_seconds = 0.0  # the current connection's welcome.checkpoint_seconds (v2; 0: none)
+        self.preview_steps = 0  # the current connection's welcome.preview_steps (v2; 0: no previews)
         self._clock = clock
         self._backoff = Backoff(config.reconnect_initial_seconds, config.reconnect_max_seconds)
         self._held: dict[str, HeldJob] = {}
@@ -105,7 +106,8 @@ class WorkerClient:
                                   self._post_frame, clock=clock, max_image_pixels=limits.max_image_pixels)
         self._denoiser = DenoiseLoop(self.pipelines, self._post, self._let_go_threadsafe,
                                      encode=encode, clock=clock, frames=self.frames, memory_mode=memory_mode,
-                                     demote=self._demote_model, checkpoint_seconds=lambda: self.checkpoint_seconds)
+                                     demote=self._demote_model, checkpoint_seconds=lambda: self.checkpoint_seconds,
+                                     preview_steps=lambda: self.preview_steps)
         self.sessions = SessionDesk(cast(Mapping[str, FramePipeline], self.pipelines), realtime or {}, self.frames,
                                     self._denoiser.wake, clock=clock,
                                     step_ms=on_demand.catalog.step_ms if on_demand is not None else None)
@@ -311,6 +313,7 @@ class WorkerClient:
         self._ws = ws
         self.protocol = 1  # until this connection's welcome says otherwise
         self.checkpoint_seconds = 0.0
+        self.preview_steps = 0
         try:
             await ws.send(json.dumps(self.hello_message()))
             async for raw in ws:
@@ -362,6 +365,7 @@ class WorkerClient:
         self.welcomes += 1
         self.protocol = message.protocol
         self.checkpoint_seconds = message.checkpoint_seconds if self.v2 else 0.0
+        self.preview_steps = message.preview_steps if self.v2 else 0
         self._backoff.reset()
         log.info("welcomed by %s as %s (protocol %d, heartbeat every %s s)", self.config.api_url,
                  self.config.worker_id, self.protocol, period)

@@ -19,7 +19,8 @@ from potocolom.protocol.rungs import MODE_AUTO
 from potocolom.protocol.worker import JobFailed, JobProgress, JobResult, JobStarted, Resume
 from workers.gpu.checkpoints import Checkpoint, CheckpointRefused
 from workers.gpu.ladder import rung_after_oom
-from workers.gpu.pipelines import JobCancelled, JobPreempted, OnCheckpoint, OnStep, OutOfMemory, ShouldStop
+from workers.gpu.pipelines import JobCancelled, JobPreempted, OnCheckpoint, OnLatents, OnStep, OutOfMemory, ShouldStop
+from workers.gpu.previews import JobPreviews
 from workers.gpu.steps import CheckpointTimer, Stopped, checkpoint_message, never_ran, preempted_message, resume_from
 from workers.gpu.timings import JobTiming, denoise_idle_gaps  # noqa: F401  (re-exported)
 from workers.gpu.turns import TurnBook
@@ -42,7 +43,8 @@ class Pipeline(Protocol):
 
     def generate(self, params: Any, *, on_step: OnStep | None = None, should_stop: ShouldStop | None = None,
                  resume: Checkpoint | None = None, capture: ShouldStop | None = None,
-                 on_checkpoint: OnCheckpoint | None = None, preempt: ShouldStop | None = None) -> list[Image]: ...
+                 on_checkpoint: OnCheckpoint | None = None, preempt: ShouldStop | None = None,
+                 on_latents: OnLatents | None = None) -> list[Image]: ...
 
     def move_to(self, rung: str) -> None: ...
 
@@ -107,13 +109,15 @@ class DenoiseLoop:
     The held jobs wait in a TurnBook under one lock, with the running one (`_running`) still in it
     until its run ends; the event loop's cancel and preempt take a job out there when it is not
     running, or flag it for the denoising thread to let go at its next step boundary.
-    `checkpoint_seconds` says, at each run's start, how often to send its checkpoint (0: never).
+    `checkpoint_seconds` says, at each run's start, how often to send its checkpoint (0: never), and
+    `preview_steps` every how many steps its job_progress carries a preview (0: never; previews.py).
     """
 
     def __init__(self, pipelines: Mapping[str, Pipeline], post: Post, release: Release, *,
                  encode: Encode = encode_png_b64, clock: Callable[[], float] = time.monotonic,
                  frames: FrameRunner | None = None, memory_mode: str = MODE_AUTO, demote: Demote | None = None,
-                 checkpoint_seconds: Callable[[], float] = lambda: 0.0):
+                 checkpoint_seconds: Callable[[], float] = lambda: 0.0,
+                 preview_steps: Callable[[], int] = lambda: 0):
         self._pipelines = pipelines
         self._memory_mode = memory_mode
         self._demote = demote
@@ -123,6 +127,7 @@ class DenoiseLoop:
         self._clock = clock
         self._frames = frames
         self._checkpoint_seconds = checkpoint_seconds
+        self._preview_steps = preview_steps
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # a job held, frames waiting, or stop
         self._book = TurnBook()
@@ -261,10 +266,11 @@ class DenoiseLoop:
             job.started_sent = True
             self._post(JobStarted(job.job_id).to_wire(), job)
         frame_seconds = 0.0
+        previews = JobPreviews(self._preview_steps(), pipeline, job_id=job.job_id)
 
         def on_step(step: int, steps: int) -> None:
             nonlocal frame_seconds
-            self._post(JobProgress(job.job_id, step, steps).to_wire(), job)
+            self._post(JobProgress(job.job_id, step, steps, previews.take()).to_wire(), job)
             frame_seconds += self._run_frames(gather=False)  # between two steps: frames wait one step at most
 
         timer = job.checkpoint_timer
@@ -289,7 +295,8 @@ class DenoiseLoop:
                                            should_stop=lambda: job.cancelled or self._stopping.is_set(),
                                            resume=resume, capture=timer.due if timer.active else None,
                                            on_checkpoint=on_checkpoint,
-                                           preempt=lambda: job.preempt_asked or self._overtaken(job))
+                                           preempt=lambda: job.preempt_asked or self._overtaken(job),
+                                           on_latents=previews.see if previews.on else None)
                 break
             except JobCancelled:
                 timing.denoise_end = self._clock()

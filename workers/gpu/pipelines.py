@@ -46,6 +46,7 @@ TEST_OOM_ENV = "POTOCOLOM_TEST_OOM"  # test only: see InjectedOutOfMemory
 _MESSAGE_CHARS = 300  # error messages travel in job_failed; an echoed init_image must not
 
 OnStep = Callable[[int, int], None]
+OnLatents = Callable[[int, int, Any], None]  # (step, steps, latents) just before on_step: previews.py
 ShouldStop = Callable[[], bool]
 OnCheckpoint = Callable[[Checkpoint | None], None]
 Fault = Callable[[str], None]  # called with the model_id before each job call of a pipeline (tests inject OOM)
@@ -354,7 +355,8 @@ class DiffusersPipeline:
 
     def generate(self, params: Any, *, on_step: OnStep | None = None, should_stop: ShouldStop | None = None,
                  resume: Checkpoint | None = None, capture: ShouldStop | None = None,
-                 on_checkpoint: OnCheckpoint | None = None, preempt: ShouldStop | None = None) -> list[Image]:
+                 on_checkpoint: OnCheckpoint | None = None, preempt: ShouldStop | None = None,
+                 on_latents: OnLatents | None = None) -> list[Image]:
         """Run one job; return its images, each exactly width x height.
 
         A seeded txt2img job is exactly this diffusers call (defaults: steps 20, guidance 7.5,
@@ -374,7 +376,8 @@ class DiffusersPipeline:
 
         on_step(step, steps) is called after each denoising step (1-based); when should_stop()
         turns true the call is left at that step boundary (raising out of the step callback, so the
-        VAE never decodes) and JobCancelled is raised.
+        VAE never decodes) and JobCancelled is raised. on_latents(step, steps, latents), when given,
+        comes just before each on_step with the step's latents (read only: a job's preview).
 
         Checkpoints (checkpoints.py): at each step boundary, from the one before the first step to
         the one after the last, preempt() is polled (when given): true leaves the call there with
@@ -421,6 +424,8 @@ class DiffusersPipeline:
             if should_stop is not None and should_stop():
                 raise _StopAtStep()
             step, steps = done_before + index + 1, done_before + int(pipe.num_timesteps)
+            if on_latents is not None:
+                on_latents(step, steps, callback_kwargs["latents"])
             if on_step is not None:
                 on_step(step, steps)
             if should_stop is not None and should_stop():

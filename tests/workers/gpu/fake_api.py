@@ -2,7 +2,7 @@
 
 A `websockets` server on 127.0.0.1 that keeps its port across stop() and start() (an API restart),
 answers every hello with a welcome, and files every message of every connection in arrival order.
-With `protocol=2` it speaks v2: its welcome says so (and `checkpoint_seconds`, when given) and (with
+With `protocol=2` it speaks v2: its welcome says so (and `checkpoint_seconds` and `preview_steps`, when given) and (with
 `auto_ack`) it answers every job_result, job_failed and job_preempted with job_ack. With `token` it
 checks the handshake's `Authorization: Token T` header and closes with 4001 on anything else.
 Waiting is event-driven: `next_message` wakes on each message filed, it never polls or sleeps.
@@ -28,7 +28,8 @@ class FakeApi:
 
     def __init__(self, *, heartbeat_seconds: float = 10.0, refuse_token: bool = False,
                  unknown_models: list[str] | None = None, protocol: int | None = None, auto_ack: bool = True,
-                 token: str | None = None, checkpoint_seconds: float | None = None):
+                 token: str | None = None, checkpoint_seconds: float | None = None,
+                 preview_steps: int | None = None):
         self.heartbeat_seconds = heartbeat_seconds
         self.refuse_token = refuse_token
         self.unknown_models = unknown_models or []
@@ -36,6 +37,7 @@ class FakeApi:
         self.auto_ack = auto_ack  # v2: answer each final message with job_ack
         self.token = token
         self.checkpoint_seconds = checkpoint_seconds  # welcome.checkpoint_seconds, when not None
+        self.preview_steps = preview_steps  # welcome.preview_steps, when not None
         self.port = 0
         self.paths: list[str] = []
         self.authorizations: list[str | None] = []  # each handshake's Authorization header
@@ -101,6 +103,8 @@ class FakeApi:
                         welcome["protocol"] = self.protocol
                     if self.checkpoint_seconds is not None:
                         welcome["checkpoint_seconds"] = self.checkpoint_seconds
+                    if self.preview_steps is not None:
+                        welcome["preview_steps"] = self.preview_steps
                     await connection.send(json.dumps(welcome))
                     await self._file({"type": WELCOME_SENT, "_connection": number})
                 elif message.get("type") in FINAL_TYPES and self.protocol == 2 and self.auto_ack:
