@@ -152,7 +152,8 @@ def test_a_page_of_jobs_never_loads_their_images(models, alice, submit):
     assert all(job["params"]["prompt"] == PROMPT["prompt"] for job in listed)
     assert big not in page.content.decode()
     [listing] = [q["sql"] for q in queries.captured_queries if q["sql"].startswith("SELECT")
-                 and 'FROM "scheduling_job"' in q["sql"] and "COUNT(" not in q["sql"]]
+                 and 'FROM "scheduling_job"' in q["sql"] and "COUNT(" not in q["sql"]
+                 and "GROUP BY" not in q["sql"]]  # the ETA's sums per model read no row out
     columns = listing.split(' FROM "scheduling_job"')[0]
     # params is read only inside the database's expressions (without init_image, has init_image)
     assert "init_image" in columns
