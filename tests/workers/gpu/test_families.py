@@ -12,9 +12,13 @@ import pytest
 
 from potocolom.protocol.manifests import ManifestError, parse_manifest
 from potocolom.protocol.rungs import RUNG_FULL, RUNG_GROUP_OFFLOAD, RUNG_MODEL_OFFLOAD, RUNGS
+from tests.workers.gpu.fake_api import FakeApi
+from tests.workers.gpu.support import run_async
 from tests.workers.gpu.test_checkpoints import IMG2IMG, TXT2IMG, over_the_wire, preempted_at, same_pixels
+from tests.workers.gpu.test_client import make_client, running
 from workers.gpu.footprints import block_groups, pipeline_footprint
 from workers.gpu.installed import InstalledModel, discover_models
+from workers.gpu.jobs import encode_png_b64
 from workers.gpu.loading import load_pipelines, measure_step_ms, realtime_capacity
 from workers.gpu.models_on_demand import InstalledCatalog, needs_mib
 from workers.gpu.pipelines import DiffusersPipeline, FrameRequest, family_of
@@ -199,3 +203,27 @@ def test_loaded_by_the_ladder_it_has_a_step_time_and_realtime_slots(family_model
 
     assert pipeline.rung == RUNG_FULL and step_ms is not None and step_ms > 0
     assert capacity is not None and (capacity.width, capacity.height) == (64, 64) and 1 in capacity.measured
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_worker_runs_a_job_and_a_resumed_order_to_the_uninterrupted_image(
+        full_pipelines: dict[str, DiffusersPipeline], family: str) -> None:
+    pipeline = full_pipelines[family]
+    model_id = pipeline.model.model_id
+    expected = encode_png_b64(pipeline.generate(SHORT_TXT2IMG))
+    checkpoint = over_the_wire(preempted_at(pipeline, SHORT_TXT2IMG, 1).checkpoint)
+
+    async def body() -> None:
+        async with FakeApi(protocol=2) as fake:
+            async with running(make_client(fake, {model_id: pipeline})):
+                await fake.next_message("hello")
+                fresh = await fake.job(SHORT_TXT2IMG, model_id=model_id, priority=0, account="k1")
+                first = await fake.next_message("job_result", job_id=fresh)
+                again = await fake.job(SHORT_TXT2IMG, model_id=model_id, priority=0, account="k1",
+                                       resume={"step": 1, "checkpoint": checkpoint.to_base64()})
+                second = await fake.next_message("job_result", job_id=again)
+
+            assert first["images"] == second["images"] == expected
+            assert [m["step"] for m in fake.about(again) if m["type"] == "job_progress"] == [2, 3]
+
+    run_async(body())
