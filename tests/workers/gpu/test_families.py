@@ -20,6 +20,7 @@ from workers.gpu.footprints import block_groups, pipeline_footprint
 from workers.gpu.installed import InstalledModel, discover_models
 from workers.gpu.jobs import encode_png_b64
 from workers.gpu.loading import load_pipelines, measure_step_ms, realtime_capacity
+from workers.gpu.main import WorkerOptions, build_client
 from workers.gpu.models_on_demand import InstalledCatalog, needs_mib
 from workers.gpu.pipelines import DiffusersPipeline, FrameRequest, family_of
 from workers.gpu.tiny import make_tiny_model, tiny_manifest
@@ -225,5 +226,34 @@ def test_the_worker_runs_a_job_and_a_resumed_order_to_the_uninterrupted_image(
 
             assert first["images"] == second["images"] == expected
             assert [m["step"] for m in fake.about(again) if m["type"] == "job_progress"] == [2, 3]
+
+    run_async(body())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_placement_loads_a_family_model_serves_it_and_unloads_it(family_models: dict[str, InstalledModel],
+                                                                 family: str) -> None:
+    model = family_models[family]
+    root = model.manifest_path.parent.parent  # the models dir make_tiny_model wrote into
+
+    async def body() -> None:
+        async with FakeApi(protocol=2) as fake:
+            client = build_client(WorkerOptions(api=fake.url, token="secret", models_dir=root, device="cpu",
+                                                worker_id="families:0", realtime=False, memory_mode="auto",
+                                                preload=[], vram_mib=4000))
+            async with running(client):
+                hello = await fake.next_message("hello")
+                await fake.send({"type": "load_model", "model_id": model.model_id, "rung": RUNG_GROUP_OFFLOAD})
+                loaded = await fake.next_message("model_loaded", model_id=model.model_id)
+                served = await fake.job(SHORT_TXT2IMG, model_id=model.model_id)
+                result = await fake.next_message("job_result", job_id=served)
+                await fake.send({"type": "unload_model", "model_id": model.model_id})
+                unloaded = await fake.next_message("model_unloaded", model_id=model.model_id)
+
+        (installed,) = hello["installed"]
+        assert installed["model_id"] == model.model_id and set(installed["needs_mib"]) == set(RUNGS)
+        assert loaded["rung"] == result["rung"] == RUNG_GROUP_OFFLOAD and result["images"]
+        assert unloaded["gpu"] == hello["gpu"]  # every byte back
+        assert model.model_id not in client.pipelines
 
     run_async(body())
