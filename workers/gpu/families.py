@@ -3,6 +3,7 @@ what differs between families where the worker's code must know (one adapter per
 is told in docs/design/families.md."""
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from potocolom.protocol.manifests import PIPELINES
@@ -48,3 +49,16 @@ def pipeline_families() -> dict[str, str]:
     """Each pipeline name a manifest may give (manifests.PIPELINES) with its family."""
     return {name: family_of_class_name(name) for name in PIPELINES}
 
+
+
+def size_multiple(pipe: Any, floor: int) -> int:
+    """What a width and height must be a multiple of for `pipe`: at least `floor`, and a
+    transformer's latent patch in pixels (the VAE's scale times its patch size; Flux packs 2x2
+    patches), which SD3 and Flux refuse to run otherwise."""
+    transformer = getattr(pipe, "transformer", None)
+    if transformer is None:
+        return floor
+    flux = any(base.__name__.startswith("Flux") for base in type(pipe).__mro__)
+    patch = 2 if flux else int(getattr(transformer.config, "patch_size", 1) or 1)
+    pixels = int(getattr(pipe, "vae_scale_factor", 8)) * patch
+    return floor * pixels // math.gcd(floor, pixels)  # both hold: their least common multiple

@@ -17,7 +17,7 @@ from potocolom.protocol.browser import DEFAULT_STRENGTH
 from potocolom.protocol.images import FORMATS, ImageRefused, checked_image
 from potocolom.protocol.rungs import RUNG_FULL, RUNG_GROUP_OFFLOAD
 from workers.gpu.checkpoints import Checkpoint, Fingerprint, capture_checkpoint, denoising, fingerprint_for
-from workers.gpu.families import family_of  # noqa: F401  (re-exported: previews pick their map by it)
+from workers.gpu.families import family_of, size_multiple  # noqa: F401  (family_of re-exported: for previews)
 from workers.gpu.footprints import default_size
 from workers.gpu.installed import InstalledModel
 from workers.gpu.ladder import Footprint, group_offload_to_disk
@@ -249,8 +249,10 @@ class DiffusersPipeline:
         self.footprint = footprint
         self.offload_dir = offload_dir  # group offload's safetensors files, when on disk
         self._default_size: int | None = None
+        self._size_multiple = SIZE_MULTIPLE
         if pipe is not None:
             self._default_size = default_size(pipe)
+            self._size_multiple = size_multiple(pipe, SIZE_MULTIPLE)
 
     @classmethod
     def load(cls, model: InstalledModel, device: str, rung: str = RUNG_FULL, *, offload_dir: str | None = None,
@@ -328,13 +330,14 @@ class DiffusersPipeline:
         # Where the schema sets no maximum, MAX_IMAGE_SIDE and MAX_STEPS do: the memory ladder
         # placed the model for the largest size allowed, so nothing larger may run.
         schema, limits = self.model.params_schema, self.limits
-        width = _integer(params, "width", self.default_size, SIZE_MULTIPLE,
+        multiple = self._size_multiple  # 8; an SD3 or Flux transformer's latent patch may ask for more
+        width = _integer(params, "width", self.default_size, multiple,
                          allowed_maximum(schema, "width", limits.max_image_side))
-        height = _integer(params, "height", self.default_size, SIZE_MULTIPLE,
+        height = _integer(params, "height", self.default_size, multiple,
                           allowed_maximum(schema, "height", limits.max_image_side))
         for key, size in (("width", width), ("height", height)):
-            if size % SIZE_MULTIPLE:
-                raise InvalidParams(f"{key} must be a multiple of {SIZE_MULTIPLE}, got {size}")
+            if size % multiple:
+                raise InvalidParams(f"{key} must be a multiple of {multiple}, got {size}")
         steps = _integer(params, "steps", min(DEFAULT_STEPS, allowed_maximum(schema, "steps", limits.max_steps)), 1,
                          allowed_maximum(schema, "steps", limits.max_steps))
         guidance_scale = _number(params, "guidance_scale", DEFAULT_GUIDANCE_SCALE, 0.0, None)

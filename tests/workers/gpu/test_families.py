@@ -3,6 +3,7 @@ make_tiny_model writes run through the same paths as SD: jobs and img2img, every
 realtime frames, checkpoints resumed to the uninterrupted pixels, and footprints read from files."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from workers.gpu.jobs import encode_png_b64
 from workers.gpu.loading import load_pipelines, measure_step_ms, realtime_capacity
 from workers.gpu.main import WorkerOptions, build_client
 from workers.gpu.models_on_demand import InstalledCatalog, needs_mib
-from workers.gpu.pipelines import DiffusersPipeline, FrameRequest, family_of
+from workers.gpu.pipelines import DiffusersPipeline, FrameRequest, InvalidParams, family_of
 from workers.gpu.tiny import make_tiny_model, tiny_manifest
 
 FAMILIES = ("sdxl", "sd3")
@@ -257,3 +258,22 @@ def test_placement_loads_a_family_model_serves_it_and_unloads_it(family_models: 
         assert model.model_id not in client.pipelines
 
     run_async(body())
+
+
+def test_an_sd3_size_must_be_a_multiple_of_its_latent_patch(full_pipelines: dict[str, DiffusersPipeline]) -> None:
+    import diffusers
+
+    tiny = full_pipelines["sd3"]
+    schema = {"type": "object", "properties": {"prompt": {"type": "string"}}}  # any size the worker allows
+    model = dataclasses.replace(tiny.model, params_schema=schema)
+    fine = DiffusersPipeline(model, tiny.pipe, None, "cpu", RUNG_FULL)
+    assert fine.check_inputs({"prompt": "a kite", "width": 72, "height": 64}).width == 72  # scale 2 x patch 1
+    transformer = diffusers.SD3Transformer2DModel(
+        sample_size=32, patch_size=8, in_channels=16, out_channels=16, num_layers=1, attention_head_dim=8,
+        num_attention_heads=4, caption_projection_dim=32, joint_attention_dim=64, pooled_projection_dim=64)
+    pipe = diffusers.StableDiffusion3Pipeline(**{**tiny.pipe.components, "transformer": transformer})
+    coarse = DiffusersPipeline(model, pipe, None, "cpu", RUNG_FULL)  # scale 2 x patch 8: 16
+
+    with pytest.raises(InvalidParams, match="width must be a multiple of 16, got 72"):
+        coarse.check_inputs({"prompt": "a kite", "width": 72, "height": 64})
+    assert coarse.check_inputs({"prompt": "a kite", "width": 80, "height": 64}).width == 80
