@@ -21,6 +21,8 @@ from scheduling.serializers import job_payload
 
 MAX_JOB_FILTERS = 200  # `?job_id=` values one socket may name
 
+JPEG_DATA_URL = "data:image/jpeg;base64,"  # a worker's preview is bare base64 JPEG; browsers get a data URL
+
 
 class JobEventsConsumer(RelayConsumer):
     """One client's view of its account's jobs (all of them, or the `?job_id=` ones)."""
@@ -70,12 +72,14 @@ class JobEventsConsumer(RelayConsumer):
         await self.send(text_data=json.dumps({"type": "job", "job": payload}))
 
     async def jobs_progress(self, event: dict[str, Any]) -> None:
-        """A worker's job_progress for a job of the account, its preview as sent."""
+        """A worker's job_progress for a job of the account, its preview as sent (the worker's base64
+        JPEG as the data URL the contract gives browsers)."""
         if not self._wants(event.get("account"), str(event.get("job_id"))):
             return
         message = {"type": "job_progress", "job_id": event["job_id"], "step": event["step"], "steps": event["steps"]}
         if event.get("preview") is not None:
-            message["preview"] = event["preview"]
+            preview = event["preview"]
+            message["preview"] = preview if preview.startswith("data:") else JPEG_DATA_URL + preview
         await self.send(text_data=json.dumps(message))
 
     def _wants(self, account: Any, job_id: str) -> bool:

@@ -4,6 +4,7 @@ relayed as the worker sent it (a preview too, never stored). The story: docs/pro
 from __future__ import annotations
 
 import logging
+import threading
 import uuid
 from collections.abc import Iterable, Sequence
 from datetime import datetime
@@ -26,6 +27,10 @@ PROGRESS_EVENT = "jobs.progress"  # a worker's job_progress, relayed
 # params as shown, without it.
 _FIELDS = tuple(f.attname for f in Job._meta.concrete_fields if f.attname != "params")
 _DATETIMES = frozenset(f.attname for f in Job._meta.concrete_fields if isinstance(f, DateTimeField))
+# Changes are read after their commits, in whichever threads committed them: the read and the send
+# go under one lock so that this process sends a job's states in the order it read them (the
+# dispatch's "dispatched" never after the worker's "running" that a faster thread read later).
+_READ_AND_SEND = threading.Lock()
 
 
 def account_group(account_id: int | str) -> str:
@@ -58,6 +63,11 @@ def job_progressed(*, account_id: int | str, job_id: str, step: int, steps: int,
 
 
 def _publish_read(ids: list[str], *, now: datetime | None) -> None:
+    with _READ_AND_SEND:
+        _read_and_publish(ids, now=now)
+
+
+def _read_and_publish(ids: list[str], *, now: datetime | None) -> None:
     try:
         jobs = list(Job.objects.filter(id__in=ids).defer("params").annotate(
             shown_params=ParamsWithoutImage(), has_init_image=Q(params__has_key=INIT_IMAGE)))

@@ -96,7 +96,8 @@ async def test_alice_hears_of_her_job_at_every_state_in_order(alice, token, work
     assert (await next_job_event(events))["state"] == "running"
     await worker.send({"type": "job_progress", "job_id": job_id, "step": 1, "steps": 2, "preview": PREVIEW})
     progress = await events.receive_json_from(timeout=5)
-    assert progress == {"type": "job_progress", "job_id": job_id, "step": 1, "steps": 2, "preview": PREVIEW}
+    assert progress == {"type": "job_progress", "job_id": job_id, "step": 1, "steps": 2,
+                        "preview": "data:image/jpeg;base64," + PREVIEW}
     await worker.result(job_id, [PNG_B64])
     succeeded = await next_job_event(events)
     assert succeeded["state"] == "succeeded"

@@ -115,7 +115,19 @@
     $("no-jobs").hidden = jobs.size > 0;
   }
 
-  function update(job) {
+  // Events arrive in order, but a REST answer may have been read before an event that reached the
+  // page first (a submission's answer after its "running", a pause's after its "paused"): a REST
+  // answer is shown only when no event of that job came while it was on its way.
+  let events = 0; // events received so far
+  const lastEvent = new Map(); // job id -> the count when its latest event came
+
+  function update(job, sentAt) {
+    if (sentAt === undefined) {
+      events += 1;
+      lastEvent.set(job.id, events);
+    } else if ((lastEvent.get(job.id) || 0) > sentAt) {
+      return;
+    }
     jobs.set(job.id, job);
     if (ENDED.has(job.state)) previews.delete(job.id);
     render(job);
@@ -148,16 +160,18 @@
   }
 
   async function loadList() {
+    const sentAt = events;
     const answer = await api("GET", LIST_PAGE);
     if (!answer.ok || !answer.payload) return;
-    for (const job of answer.payload.results.slice().reverse()) update(job);
+    for (const job of answer.payload.results.slice().reverse()) update(job, sentAt);
   }
 
   async function act(id, action) {
     errorLine.textContent = "";
+    const sentAt = events;
     const answer = await api("POST", "/api/v1/jobs/" + id + "/" + action + "/");
     if (answer.ok) {
-      update(answer.payload);
+      update(answer.payload, sentAt);
     } else {
       errorLine.textContent = "Could not " + action + " the job: " + explain(answer);
     }
@@ -194,9 +208,10 @@
       errorLine.textContent = "Write a prompt first.";
       return;
     }
+    const sentAt = events;
     const answer = await api("POST", LIST_PAGE, submission());
     if (answer.ok) {
-      update(answer.payload);
+      update(answer.payload, sentAt);
     } else {
       errorLine.textContent = "The job was not taken: " + explain(answer);
     }
