@@ -163,3 +163,33 @@ def test_a_failing_preview_is_logged_once_and_the_job_goes_on_without_previews(
     assert len(failures) == 1 and "without previews" in failures[0].getMessage()
     assert failures[0].exc_info is not None and failures[0].exc_info[0] is PreviewRefused
     assert odd.seen == 3  # the hook went on being called; the previews stopped after the first failure
+
+
+@pytest.mark.parametrize(("family", "channels"), [("sdxl", 4), ("sd3", 16)])
+def test_the_tiny_sdxl_and_sd3_models_latents_preview_by_their_own_family(
+        tmp_path: Any, family: str, channels: int) -> None:
+    from workers.gpu.installed import discover_models
+    from workers.gpu.pipelines import DiffusersPipeline
+    from workers.gpu.previews import JobPreviews, family_of_pipeline
+    from workers.gpu.tiny import make_tiny_model
+
+    make_tiny_model(tmp_path / "model", family=family)
+    (model,) = discover_models(tmp_path)
+    pipeline = DiffusersPipeline.load(model, "cpu")
+    assert family_of_pipeline(pipeline) == family
+    previews = JobPreviews(1, pipeline, job_id="a-job")
+    shapes: list[tuple[int, ...]] = []
+    sizes: list[tuple[int, int]] = []
+
+    def see(step: int, steps: int, latents: Any) -> None:
+        shapes.append(tuple(latents.shape))
+        previews.see(step, steps, latents)
+        preview = previews.take()
+        assert preview is not None
+        sizes.append(jpeg_size(preview))
+
+    pipeline.generate({"prompt": "a small red circle", "width": 64, "height": 64, "steps": 2, "seed": 3},
+                      on_latents=see)
+    scale = pipeline.pipe.vae_scale_factor
+    assert [shape[1] for shape in shapes] == [channels, channels]
+    assert sizes == [(64 // scale, 64 // scale)] * 2
