@@ -14,13 +14,21 @@ FIRST_ETAS_KEPT = 10_000  # jobs whose first estimate waits for their start; the
 @dataclass(frozen=True)
 class ModelLoad:
     """What waits on one model and what serves it, as plain data: its queued jobs and their steps
-    summed, the steps its held jobs (dispatched or running) have left, and the measured `step_ms` of
-    each connected copy (None: not measured yet)."""
+    summed; the steps the held jobs (dispatched or running) on its copies' workers have left, of any
+    model, and how many they are; the measured `step_ms` of each connected copy (None: not measured
+    yet); the queued jobs and steps of other models that fall to those workers (each other model's
+    queue shared out over its copies, counting the copies on these workers); and the time a job
+    takes beyond its steps (loading the prompt, decoding, encoding the image), measured on the
+    model's recent jobs."""
 
     queued_jobs: int = 0
     queued_steps: int = 0
     held_steps_left: int = 0
     copies_step_ms: tuple[float | None, ...] = ()
+    shared_queued_jobs: float = 0.0
+    shared_queued_steps: float = 0.0
+    held_jobs: int = 0
+    job_overhead_seconds: float = 0.0
 
 
 def steps_per_second(copies_step_ms: Sequence[float | None]) -> float | None:
@@ -35,21 +43,37 @@ def steps_per_second(copies_step_ms: Sequence[float | None]) -> float | None:
 
 def eta_seconds(*, position: int | None, load: ModelLoad) -> float | None:
     """The estimated wait of the queued job at `position` (1-based, in the dispatcher's fair-share
-    order) until it starts: the steps its model's held jobs have left, plus (position − 1) queued
-    jobs of the model's mean steps, over the copies' steps a second. None when it is not queued or
+    order) until it starts: the work ahead of it on its model's copies over what they do, where the
+    work is the steps the held jobs there have left, (position − 1) queued jobs of the model's mean
+    steps, and the share of other models' queued jobs that comes before it on the same workers (as
+    many of theirs per job of this model as their queues hold per job of this model's queue), each
+    job ahead also taking the model's measured time beyond its steps. None when it is not queued or
     no copy of its model has a measured step time (no estimate is better than a made-up one).
 
-    Approximations: a copy's time is counted as its model's alone (a worker serving several models
-    shares it), jobs ahead count the mean steps of the model's queue (not each one's own), and the
-    copies are one pool (a job starts when the work ahead of it drains, on whichever copy)."""
+    Approximations: other models' jobs are taken to run at this model's step time, the queues of
+    the models a worker serves to interleave evenly, and the copies to be one pool (a job starts when
+    the work ahead of it drains, on whichever copy)."""
     if position is None or position < 1:
         return None
     rate = steps_per_second(load.copies_step_ms)
     if rate is None:
         return None
+    before = position - 1
     mean_steps = load.queued_steps / load.queued_jobs if load.queued_jobs > 0 else 0.0
-    ahead = max(0, load.held_steps_left) + (position - 1) * max(0.0, mean_steps)
-    return ahead / rate
+    share = before / load.queued_jobs if load.queued_jobs > 0 else 0.0  # of the others' queues, ahead of it
+    steps = max(0, load.held_steps_left) + before * max(0.0, mean_steps) + share * max(0.0, load.shared_queued_steps)
+    jobs = max(0, load.held_jobs) + before + share * max(0.0, load.shared_queued_jobs)
+    return steps / rate + jobs * max(0.0, load.job_overhead_seconds) / max(1, len(load.copies_step_ms))
+
+
+def job_overhead_seconds(runs: Sequence[tuple[float, int]], *, step_ms: float | None) -> float:
+    """A model's time per job beyond its steps: the median over recent jobs (run seconds, steps) of
+    the run less its steps at `step_ms`, never below 0; 0 without runs or a step time."""
+    if not runs or step_ms is None or step_ms <= 0:
+        return 0.0
+    extra = sorted(max(0.0, seconds - steps * step_ms / 1000.0) for seconds, steps in runs)
+    middle = len(extra) // 2
+    return extra[middle] if len(extra) % 2 else (extra[middle - 1] + extra[middle]) / 2
 
 
 def error_ratio(*, eta: float, actual: float) -> float | None:

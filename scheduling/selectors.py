@@ -13,7 +13,7 @@ from django.db.models.functions import Cast, Coalesce, Greatest
 from rest_framework.authtoken.models import Token
 
 from scheduling.dispatcher import dispatcher
-from scheduling.eta import ModelLoad, eta_seconds, first_etas
+from scheduling.eta import ModelLoad, eta_seconds, first_etas, job_overhead_seconds
 from scheduling.models import HELD_STATES, Job, JobState
 from workers import selectors as worker_rows
 
@@ -92,32 +92,61 @@ def last_job_use(worker_ids: list[str], *, since: datetime) -> dict[tuple[str, s
     return {(worker_id, model_id): last for worker_id, model_id, last in rows}
 
 
+OVERHEAD_SAMPLE_JOBS = 20  # a model's latest succeeded jobs, for its time per job beyond the steps
+
+
 def model_loads(model_ids: Collection[str], *, now: datetime) -> dict[str, ModelLoad]:
-    """What the ETA reads of each model: its queued jobs and steps (one grouped query), the steps
-    its held jobs have left (one grouped query), and the step_ms of each connected copy that takes
-    new jobs (the worker rows' loaded models: their hello's or model_loaded's `step_ms`)."""
+    """What the ETA reads of each model (scheduling.eta.ModelLoad): its queued jobs and steps, and
+    every other model's (one grouped query); the held jobs and the steps they have left on each
+    worker (one grouped query); the connected workers that take new jobs and the step_ms of their
+    copies (their hello's or model_loaded's); and the model's time per job beyond its steps, from
+    its latest succeeded jobs (one query a model)."""
     ids = sorted(set(model_ids))
     if not ids:
         return {}
     steps = Coalesce(Cast(KT("params__steps"), IntegerField()), Value(STEPS_UNSAID))
     queued = {model_id: (jobs, int(total or 0)) for model_id, jobs, total in (
-        Job.objects.filter(state=JobState.QUEUED, model_id__in=ids).order_by().values_list("model_id")
+        Job.objects.filter(state=JobState.QUEUED).order_by().values_list("model_id")
         .annotate(jobs=Count("id"), steps=Sum(steps)))}
     left = Greatest(Coalesce(F("progress_steps"), steps) - Coalesce(F("progress_step"), Value(0)), Value(0))
-    held = {model_id: int(total or 0) for model_id, total in (
-        Job.objects.filter(state__in=HELD_STATES, model_id__in=ids).order_by().values_list("model_id")
-        .annotate(left=Sum(left)))}
-    copies: dict[str, list[float | None]] = {model_id: [] for model_id in ids}
+    held = {worker_id: (jobs, int(total or 0)) for worker_id, jobs, total in (
+        Job.objects.filter(state__in=HELD_STATES).order_by().values_list("worker_id")
+        .annotate(jobs=Count("id"), left=Sum(left)))}
+    copies: dict[str, dict[str, float | None]] = {}  # model_id -> worker_id -> its copy's step_ms
     for worker in worker_rows.connected_workers(seconds=4 * settings.WORKER_HEARTBEAT_SECONDS, now=now):
         if worker.draining:
             continue
         for entry in worker.models:
-            if isinstance(entry, dict) and entry.get("model_id") in copies:
+            if isinstance(entry, dict) and isinstance(entry.get("model_id"), str):
                 step_ms = entry.get("step_ms")
-                copies[entry["model_id"]].append(float(step_ms) if isinstance(step_ms, (int, float)) else None)
-    return {model_id: ModelLoad(*queued.get(model_id, (0, 0)), held_steps_left=held.get(model_id, 0),
-                                copies_step_ms=tuple(copies[model_id]))
-            for model_id in ids}
+                copies.setdefault(entry["model_id"], {})[worker.worker_id] = (
+                    float(step_ms) if isinstance(step_ms, (int, float)) and not isinstance(step_ms, bool) else None)
+    loads = {}
+    for model_id in ids:
+        pool = copies.get(model_id, {})
+        shared_jobs = shared_steps = 0.0
+        for other, (jobs, total) in queued.items():
+            if other != model_id and (theirs := copies.get(other)):
+                here = sum(1 for worker_id in theirs if worker_id in pool) / len(theirs)
+                shared_jobs, shared_steps = shared_jobs + jobs * here, shared_steps + total * here
+        measured = [ms for ms in pool.values() if ms]
+        step_ms = sum(measured) / len(measured) if measured else None
+        loads[model_id] = ModelLoad(
+            *queued.get(model_id, (0, 0)),
+            held_steps_left=sum(held.get(worker_id, (0, 0))[1] for worker_id in pool),
+            copies_step_ms=tuple(pool.values()), shared_queued_jobs=shared_jobs, shared_queued_steps=shared_steps,
+            held_jobs=sum(held.get(worker_id, (0, 0))[0] for worker_id in pool),
+            job_overhead_seconds=job_overhead_seconds(_recent_runs(model_id), step_ms=step_ms))
+    return loads
+
+
+def _recent_runs(model_id: str) -> list[tuple[float, int]]:
+    """(run seconds, steps) of the model's latest succeeded jobs."""
+    steps = Coalesce(Cast(KT("params__steps"), IntegerField()), Value(STEPS_UNSAID))
+    rows = (Job.objects.filter(model_id=model_id, state=JobState.SUCCEEDED, started_at__isnull=False,
+                               finished_at__isnull=False).order_by("-finished_at")
+            .annotate(job_steps=steps).values_list("started_at", "finished_at", "job_steps")[:OVERHEAD_SAMPLE_JOBS])
+    return [((finished - started).total_seconds(), int(n)) for started, finished, n in rows if started and finished]
 
 
 def etas_of(jobs: Iterable[Job], *, positions: dict[str, int], now: datetime) -> dict[str, float]:

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client import REGISTRY
 
-from scheduling.eta import FirstEtas, ModelLoad, error_ratio, eta_seconds, steps_per_second
+from scheduling.eta import FirstEtas, ModelLoad, error_ratio, eta_seconds, job_overhead_seconds, steps_per_second
 from tests.helpers import api_client, eventually, hello, register_model, tiny_png
 
 # --- the estimate, pure ---------------------------------------------------------------------------
@@ -35,6 +35,34 @@ from tests.helpers import api_client, eventually, hello, register_model, tiny_pn
 ])
 def test_the_estimate_is_the_work_ahead_over_the_copies_speed(position, load, expected):
     assert eta_seconds(position=position, load=load) == (pytest.approx(expected) if expected is not None else None)
+
+
+@pytest.mark.parametrize(("position", "load", "expected"), [
+    # another model's queue of 4 jobs (40 steps) on the same worker, this model's queue of 2: a job
+    # second in line has half of it ahead too: 1 x 10 of its own + 20 of theirs = 30 steps
+    (2, ModelLoad(2, 20, 0, (100.0,), shared_queued_jobs=4, shared_queued_steps=40), 3.0),
+    # first in line: none of theirs comes before it
+    (1, ModelLoad(2, 20, 0, (100.0,), shared_queued_jobs=4, shared_queued_steps=40), 0.0),
+    # each job ahead (one held, one queued) also takes 0.5 s beyond its steps: 20 steps + 2 x 0.5 s
+    (2, ModelLoad(2, 20, 10, (100.0,), held_jobs=1, job_overhead_seconds=0.5), 3.0),
+    # two copies share the jobs' time beyond their steps: 20 steps at 20 a second + 2 x 0.5 s / 2
+    (2, ModelLoad(2, 20, 10, (100.0, 100.0), held_jobs=1, job_overhead_seconds=0.5), 1.5),
+])
+def test_the_work_ahead_counts_other_models_on_its_workers_and_each_jobs_time_beyond_its_steps(
+        position, load, expected):
+    assert eta_seconds(position=position, load=load) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(("runs", "step_ms", "expected"), [
+    ([(1.5, 10)], 100.0, 0.5),  # 1.5 s for 10 steps of 100 ms: 0.5 s beyond them
+    ([(1.5, 10), (0.9, 4), (3.0, 20)], 100.0, 0.5),  # the median of 0.5, 0.5, 1.0
+    ([(1.5, 10), (2.0, 10)], 100.0, 0.75),  # an even count: the mean of the middle two
+    ([(0.5, 10)], 100.0, 0.0),  # faster than its steps (a step time measured cold): never below 0
+    ([], 100.0, 0.0),  # no runs yet
+    ([(1.5, 10)], None, 0.0),  # no step time measured
+])
+def test_a_jobs_time_beyond_its_steps_is_the_median_over_recent_runs(runs, step_ms, expected):
+    assert job_overhead_seconds(runs, step_ms=step_ms) == pytest.approx(expected)
 
 
 @pytest.mark.parametrize(("copies", "expected"), [
