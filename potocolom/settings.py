@@ -93,7 +93,8 @@ WORKER_HEARTBEAT_SECONDS = envfloat("WORKER_HEARTBEAT_SECONDS", 10.0)
 # A v2 worker sends a running job's checkpoint this often (welcome.checkpoint_seconds): what the
 # job resumes from if its worker dies. 0: never (a dead worker's jobs then restart from step 0).
 JOB_CHECKPOINT_SECONDS = envint("JOB_CHECKPOINT_SECONDS", 10, minimum=0)
-PREVIEW_STEPS = envint("PREVIEW_STEPS", 4, minimum=0)  # v2: a job_progress preview at most every this many steps (0: none)
+# v2: a job_progress preview at most every this many steps (0: none), sent in welcome as preview_steps
+PREVIEW_STEPS = envint("PREVIEW_STEPS", 4, minimum=0)
 # Placement across workers (workers.placing): `demand` loads models where work waits and moves them
 # as demand moves; `off` leaves every worker with what it preloaded.
 PLACEMENT = envstr("PLACEMENT", "demand")
