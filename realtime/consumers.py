@@ -21,6 +21,7 @@ from potocolom.transport import relay
 from potocolom.transport.notify import socket_event
 from potocolom.transport.relay import RelayConsumer
 from potocolom.web.errors import close_code_of
+from potocolom.web.sockets import socket_account
 from realtime import services
 from realtime.errors import NotAuthenticated, SessionError
 from realtime.frames import FrameGate
@@ -55,7 +56,7 @@ class SessionConsumer(RelayConsumer):
         self.gate = FrameGate(wait_seconds=2 * settings.FRAME_BUDGET_MS / 1000)
         try:
             query = query_of(self.scope)
-            account = await database_sync_to_async(services.session_account)(
+            account = await database_sync_to_async(socket_account)(
                 user=self.scope.get("user"), token=query.get("token"))
             if account is None:
                 raise NotAuthenticated()

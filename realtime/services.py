@@ -10,7 +10,6 @@ from typing import Any
 from django.conf import settings
 from django.contrib.auth.models import User
 from django.db import transaction
-from rest_framework.authtoken.models import Token
 
 from models_registry.selectors import registered_manifests
 from potocolom.protocol.browser import Idle
@@ -25,16 +24,6 @@ from realtime.models import RealtimeSession, SessionState
 from realtime.records import usage_close
 
 log = logging.getLogger(__name__)
-
-
-def session_account(*, user: Any, token: str | None) -> User | None:
-    """The account behind a browser socket: its Django session, or an API token in the query."""
-    if isinstance(user, User) and user.is_authenticated and user.is_active:
-        return user
-    if not token or len(token) > 200:
-        return None
-    found = Token.objects.select_related("user").filter(key=token).first()
-    return found.user if found is not None and found.user.is_active else None
 
 
 def session_request(*, query: dict[str, str]) -> tuple[str, dict[str, int]]:

@@ -15,7 +15,7 @@ from django.conf import settings
 from potocolom.protocol import close_codes
 from potocolom.transport import relay
 from potocolom.transport.relay import RelayConsumer
-from scheduling import selectors
+from potocolom.web.sockets import socket_account
 from scheduling.events import account_group, job_of_snapshot
 from scheduling.serializers import job_payload
 
@@ -40,7 +40,7 @@ class JobEventsConsumer(RelayConsumer):
         if len(wanted) > MAX_JOB_FILTERS or not all(_is_uuid(job_id) for job_id in wanted):
             await self.close(code=close_codes.BAD_QUERY, reason="job_id must be job ids (UUIDs), at most 200")
             return
-        account = await database_sync_to_async(selectors.socket_account)(
+        account = await database_sync_to_async(socket_account)(
             user=self.scope.get("user"), token=(query.get("token") or [None])[-1] or self._header_token())
         if account is None:
             await self.close(code=close_codes.NOT_AUTHENTICATED, reason="not authenticated")

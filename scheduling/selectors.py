@@ -10,7 +10,6 @@ from django.contrib.auth.models import User
 from django.db.models import Count, F, IntegerField, Max, QuerySet, Sum, Value
 from django.db.models.fields.json import KT
 from django.db.models.functions import Cast, Coalesce, Greatest
-from rest_framework.authtoken.models import Token
 
 from scheduling.dispatcher import dispatcher
 from scheduling.eta import ModelLoad, eta_seconds, first_etas, job_overhead_seconds
@@ -164,13 +163,3 @@ def etas_of(jobs: Iterable[Job], *, positions: dict[str, int], now: datetime) ->
             etas[str(job.id)] = eta
             first_etas.offer(str(job.id), eta=eta, at_us=at_us)
     return etas
-
-
-def socket_account(*, user: Any, token: str | None) -> User | None:
-    """The account behind a job socket: its Django session, or an API token (query or header)."""
-    if isinstance(user, User) and user.is_authenticated and user.is_active:
-        return user
-    if not token or len(token) > 200:
-        return None
-    found = Token.objects.select_related("user").filter(key=token).first()
-    return found.user if found is not None and found.user.is_active else None

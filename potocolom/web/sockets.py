@@ -13,9 +13,10 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from django.conf import settings
-from django.contrib.auth.models import AnonymousUser
+from django.contrib.auth.models import AnonymousUser, User
 from django.http.request import validate_host
 from django.utils.http import is_same_domain
+from rest_framework.authtoken.models import Token
 
 Scope = dict[str, Any]
 ASGIApp = Callable[[Scope, Callable[..., Awaitable[Any]], Callable[..., Awaitable[Any]]], Awaitable[None]]
@@ -82,3 +83,14 @@ class BrowserOriginCheck:
                 await refuse(scope, receive, send)
                 return
         await self.application(scope, receive, send)
+
+
+def socket_account(*, user: Any, token: str | None) -> User | None:
+    """The account behind a browser-facing socket (/ws/session/, /ws/jobs/): its Django session, or
+    an API token (query or header); None for neither, or an inactive account. Reads the database."""
+    if isinstance(user, User) and user.is_authenticated and user.is_active:
+        return user
+    if not token or len(token) > 200:
+        return None
+    found = Token.objects.select_related("user").filter(key=token).first()
+    return found.user if found is not None and found.user.is_active else None
