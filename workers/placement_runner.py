@@ -4,73 +4,54 @@ event that may change placement (work waiting, a worker's hello, loss or drain, 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from datetime import datetime
 
 from django.conf import settings
-from django.db import close_old_connections, connection
+from django.db import close_old_connections
 from django.utils import timezone
 
+from potocolom.threads import ProcessThread
 from workers.placing import placement_enabled, placement_run
 
 log = logging.getLogger(__name__)
 MIN_GAP_SECONDS = 0.2  # between two runs of one process's planner
 
 
-class PlacementRunner:
+class PlacementRunner(ProcessThread):
     """Runs `run(now=clock(), periodic=...)` soon after each `wake()` (wake-ups during a run make one
     more run, not one each) and every `period()` seconds with `periodic=True`; a failed run is logged
     and the next one runs all the same. One thread per process; the planner's lock keeps the
     processes' runs one at a time."""
 
+    name = "placement"
+
     def __init__(self, *, period: Callable[[], float] = lambda: settings.PLACEMENT_SECONDS,
                  clock: Callable[[], datetime] = timezone.now, run: Callable[..., object] = placement_run,
                  monotonic: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
         self.period, self.clock, self.run_once, self.monotonic = period, clock, run, monotonic
         self.min_gap_seconds = MIN_GAP_SECONDS
-        self.woken = threading.Event()
-        self.stopped = threading.Event()
-        self.thread: threading.Thread | None = None
-        self.lock = threading.Lock()
 
-    def start(self) -> bool:
-        """Start the thread; False when it already runs or placement is off."""
-        with self.lock:
-            if not placement_enabled() or (self.thread is not None and self.thread.is_alive()):
-                return False
-            self.stopped.clear()
-            self.thread = threading.Thread(target=self.loop, name="placement", daemon=True)
-            self.thread.start()
-            return True
-
-    def wake(self) -> None:
-        self.woken.set()
-
-    def stop(self, *, timeout: float = 5.0) -> None:
-        self.stopped.set()
-        self.woken.set()
-        if self.thread is not None:
-            self.thread.join(timeout)
+    def enabled(self) -> bool:
+        """Off with PLACEMENT=off."""
+        return placement_enabled()
 
     def loop(self) -> None:
         next_periodic = self.monotonic() + self.period()
-        try:
-            while not self.stopped.is_set():
-                self.woken.wait(max(0.0, next_periodic - self.monotonic()))
-                if self.stopped.is_set():
-                    return
-                self.woken.clear()
-                periodic = self.monotonic() >= next_periodic
-                if periodic:
-                    next_periodic = self.monotonic() + self.period()
-                self.tick(periodic=periodic)
-                # At most one run per gap: a stream of job ends wakes it often, and each run reads
-                # the fleet from the database; what woke it meanwhile is planned after the gap.
-                self.stopped.wait(self.min_gap_seconds)
-        finally:
-            connection.close()
+        while not self.stopped.is_set():
+            self.woken.wait(max(0.0, next_periodic - self.monotonic()))
+            if self.stopped.is_set():
+                return
+            self.woken.clear()
+            periodic = self.monotonic() >= next_periodic
+            if periodic:
+                next_periodic = self.monotonic() + self.period()
+            self.tick(periodic=periodic)
+            # At most one run per gap: a stream of job ends wakes it often, and each run reads
+            # the fleet from the database; what woke it meanwhile is planned after the gap.
+            self.stopped.wait(self.min_gap_seconds)
 
     def tick(self, *, periodic: bool) -> None:
         close_old_connections()

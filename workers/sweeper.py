@@ -4,53 +4,34 @@ process by potocolom/asgi.py). The rule it applies: docs/protocol.md, "Dead work
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 from datetime import datetime
 
 from django.conf import settings
-from django.db import close_old_connections, connection
+from django.db import close_old_connections
 from django.utils import timezone
 
+from potocolom.threads import ProcessThread
 from workers.lifecycle import dead_workers_sweep
 
 log = logging.getLogger(__name__)
 
 
-class DeadWorkerSweeper:
+class DeadWorkerSweeper(ProcessThread):
     """Runs `sweep(now=clock())` every `period()` seconds until stopped; a failed sweep (the database
     is away) is logged and the next one runs all the same."""
+
+    name = "dead-worker-sweep"
 
     def __init__(self, *, period: Callable[[], float] = lambda: settings.WORKER_HEARTBEAT_SECONDS,
                  clock: Callable[[], datetime] = timezone.now,
                  sweep: Callable[..., None] = dead_workers_sweep) -> None:
+        super().__init__()
         self.period, self.clock, self.sweep = period, clock, sweep
-        self.stopped = threading.Event()
-        self.thread: threading.Thread | None = None
-        self.lock = threading.Lock()
 
-    def start(self) -> bool:
-        """Start the thread; False when it already runs (once per process)."""
-        with self.lock:
-            if self.thread is not None and self.thread.is_alive():
-                return False
-            self.stopped.clear()
-            self.thread = threading.Thread(target=self.run, name="dead-worker-sweep", daemon=True)
-            self.thread.start()
-            return True
-
-    def stop(self, *, timeout: float = 5.0) -> None:
-        """Stop after the sweep under way, if any (tests; a served process just exits)."""
-        self.stopped.set()
-        if self.thread is not None:
-            self.thread.join(timeout)
-
-    def run(self) -> None:
-        try:
-            while not self.stopped.wait(self.period()):
-                self.tick()
-        finally:
-            connection.close()  # this thread's own connection
+    def loop(self) -> None:
+        while not self.stopped.wait(self.period()):
+            self.tick()
 
     def tick(self) -> None:
         close_old_connections()  # a connection a database restart broke is replaced, as per request

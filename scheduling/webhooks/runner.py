@@ -4,15 +4,15 @@ whenever the earliest pending delivery falls due, at least every POLL_SECONDS.""
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 
 from django.conf import settings
-from django.db import close_old_connections, connection
+from django.db import close_old_connections
 from django.utils import timezone
 
+from potocolom.threads import ProcessThread
 from scheduling.signals import webhook_due
 from scheduling.webhooks.delivery import webhooks_deliver
 from scheduling.webhooks.services import webhook_next_due
@@ -21,49 +21,35 @@ log = logging.getLogger(__name__)
 POLL_SECONDS = 5.0  # deliveries written by other processes are found at least this often
 
 
-class WebhookRunner:
+class WebhookRunner(ProcessThread):
     """Runs `deliver(now=clock(), mapper=...)` until nothing is due, then sleeps until the next due
     time, a wake-up, or POLL_SECONDS; a failed pass is logged and the next runs all the same."""
+
+    name = "webhooks"
 
     def __init__(self, *, clock: Callable[[], datetime] = timezone.now,
                  deliver: Callable[..., int] = webhooks_deliver,
                  next_due: Callable[[], datetime | None] = webhook_next_due) -> None:
+        super().__init__()
         self.clock, self.deliver, self.next_due = clock, deliver, next_due
-        self.woken = threading.Event()
-        self.stopped = threading.Event()
-        self.thread: threading.Thread | None = None
-        self.lock = threading.Lock()
 
-    def start(self) -> bool:
-        with self.lock:
-            if self.thread is not None and self.thread.is_alive():
-                return False
-            self.stopped.clear()
-            webhook_due.connect(self._on_due, weak=False, dispatch_uid=f"webhooks.runner.{id(self)}")
-            self.thread = threading.Thread(target=self.loop, name="webhooks", daemon=True)
-            self.thread.start()
-            return True
+    def started(self) -> None:
+        """A delivery written (after its commit) wakes the thread."""
+        webhook_due.connect(self._on_due, weak=False, dispatch_uid=f"webhooks.runner.{id(self)}")
+
+    def stopping(self) -> None:
+        webhook_due.disconnect(dispatch_uid=f"webhooks.runner.{id(self)}")
 
     def _on_due(self, **_: object) -> None:
-        self.woken.set()
-
-    def stop(self, *, timeout: float = 5.0) -> None:
-        webhook_due.disconnect(dispatch_uid=f"webhooks.runner.{id(self)}")
-        self.stopped.set()
-        self.woken.set()
-        if self.thread is not None:
-            self.thread.join(timeout)
+        self.wake()
 
     def loop(self) -> None:
         senders = settings.WEBHOOK_SENDERS
         with ThreadPoolExecutor(max_workers=senders, thread_name_prefix="webhook-send") as pool:
-            try:
-                while not self.stopped.is_set():
-                    self.woken.clear()
-                    wait = self.tick(pool, limit=senders)
-                    self.woken.wait(wait)
-            finally:
-                connection.close()
+            while not self.stopped.is_set():
+                self.woken.clear()
+                wait = self.tick(pool, limit=senders)
+                self.woken.wait(wait)
 
     def tick(self, pool: ThreadPoolExecutor, *, limit: int) -> float:
         """One pass (more while passes come back full); seconds to wait before the next."""
