@@ -11,7 +11,6 @@ import base64
 import io
 import json
 import re
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 import pytest
 
 from tests.support.stack import Stack
+from tests.support.worker_thread import WorkerThread
 
 CHROMIUM = Path("/usr/bin/chromium")
 playwright_sync = pytest.importorskip("playwright.sync_api", reason="Playwright is not installed",
@@ -50,27 +50,15 @@ def inverted(png_b64: str) -> str:
     return base64.b64encode(out.getvalue()).decode()
 
 
-class FrameWorker(threading.Thread):
+class FrameWorker(WorkerThread):
     """A worker on /ws/worker/ (the `websockets` package, in its own thread and event loop) that
     accepts every session_start and answers every frame with a frame_result."""
 
     def __init__(self, ws_url: str, token: str, *, worker_id: str = "fake-gpu:0", slots: int = 1) -> None:
-        super().__init__(name="frame-worker", daemon=True)
-        self.url = f"{ws_url}/ws/worker/?token={token}"
+        super().__init__(ws_url, token, name="frame-worker")
         self.worker_id, self.slots = worker_id, slots
-        self.received: list[dict[str, Any]] = []
-        self.welcomed = threading.Event()
-        self.loop: asyncio.AbstractEventLoop | None = None
         self.stopping: asyncio.Event | None = None
-        self.error: BaseException | None = None
         self.connections = 0  # hellos answered with welcome
-
-    def run(self) -> None:
-        try:
-            asyncio.run(self.serve())
-        except BaseException as exc:  # reported by the test through `error`
-            self.error = exc
-            self.welcomed.set()
 
     def frames(self) -> list[dict[str, Any]]:
         return [m for m in list(self.received) if m.get("type") == "frame"]

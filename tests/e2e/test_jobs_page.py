@@ -11,7 +11,6 @@ import base64
 import io
 import json
 import re
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ import pytest
 
 from tests.e2e.test_drawing_page import ALICE_PASSWORD, CHROMIUM, CHROMIUM_ARGS, WAIT_MS, wait_for
 from tests.support.stack import Stack
+from tests.support.worker_thread import WorkerThread
 
 playwright_sync = pytest.importorskip("playwright.sync_api", reason="Playwright is not installed",
                                       exc_type=ImportError)
@@ -44,25 +44,13 @@ def picture(colour: str, size: int, kind: str) -> str:
     return base64.b64encode(out.getvalue()).decode()
 
 
-class JobWorker(threading.Thread):
+class JobWorker(WorkerThread):
     """A v2 worker on /ws/worker/ that starts every job it gets, reports step 1 of 2 with a preview,
     and finishes it only when the test calls `finish(job_id)`; a `preempt` is answered at step 1."""
 
     def __init__(self, ws_url: str, token: str) -> None:
-        super().__init__(name="job-worker", daemon=True)
-        self.url = f"{ws_url}/ws/worker/?token={token}"
-        self.received: list[dict[str, Any]] = []
-        self.welcomed = threading.Event()
-        self.loop: asyncio.AbstractEventLoop | None = None
+        super().__init__(ws_url, token, name="job-worker")
         self.ws: Any = None
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            asyncio.run(self.serve())
-        except BaseException as exc:  # reported by the test through `error`
-            self.error = exc
-            self.welcomed.set()
 
     def jobs(self) -> list[dict[str, Any]]:
         return [m for m in list(self.received) if m.get("type") == "job"]
