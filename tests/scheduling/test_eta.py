@@ -166,8 +166,12 @@ async def test_a_queued_job_shows_its_estimated_wait_and_its_error_is_measured_w
     await worker.send(hello("host-a:0", ["tiny-a"], step_ms=100.0))  # 10 steps a second
     assert (await worker.receive())["type"] == "welcome"
     held = [await submit_rest(alice, 10) for _ in range(2)]  # JOB_DISPATCH_DEPTH 2: both go to the worker
-    assert [job["state"] for job in held] == ["dispatched", "dispatched"]
-    assert [job["eta_seconds"] for job in held] == [None, None]  # only a queued job has one
+
+    async def both_dispatched() -> bool:  # at once in memory; through Redis, just after the submission
+        return [(await rest_get(alice, job["id"]))["state"] for job in held] == ["dispatched", "dispatched"]
+
+    await eventually(both_dispatched)
+    assert [(await rest_get(alice, job["id"]))["eta_seconds"] for job in held] == [None, None]  # only queued
     first, second = await submit_rest(alice, 10), await submit_rest(alice, 30)
     # 20 held steps left, then 10 a second: first 2 s; second waits for first too (the queue's mean, 20 steps)
     assert first["eta_seconds"] == pytest.approx(2.0) and second["eta_seconds"] == pytest.approx(4.0)
