@@ -136,13 +136,8 @@ def served(tmp_path: Path) -> Iterator[tuple[Stack, FrameWorker]]:
             for m in MANIFESTS]))
         assert stack.manage("load_manifests", str(manifests)) == "loaded 3"
         stack.start_api()
-        worker = FrameWorker(stack.ws_url, worker_token)
-        worker.start()
-        assert worker.welcomed.wait(30) and worker.error is None, worker.error
-        try:
+        with FrameWorker(stack.ws_url, worker_token) as worker:
             yield stack, worker
-        finally:
-            worker.stop()
 
 
 def test_it_draws_shows_and_saves_the_output_and_recovers_from_the_session_limit(

@@ -106,13 +106,8 @@ def served(tmp_path: Path) -> Iterator[tuple[Stack, JobWorker]]:
         token = stack.manage("create_worker_token", "jobs-page-test")
         stack.register(MANIFEST)
         stack.start_api()
-        worker = JobWorker(stack.ws_url, token)
-        worker.start()
-        assert worker.welcomed.wait(30) and worker.error is None, worker.error
-        try:
+        with JobWorker(stack.ws_url, token) as worker:
             yield stack, worker
-        finally:
-            worker.stop()
 
 
 def test_a_job_from_the_form_shows_live_and_pauses_resumes_and_cancels(served: tuple[Stack, JobWorker]) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Any
+from typing import Any, Self
 
 
 class WorkerThread(threading.Thread):
@@ -26,5 +26,17 @@ class WorkerThread(threading.Thread):
             self.error = exc
             self.welcomed.set()
 
+    def __enter__(self) -> Self:
+        """Start it and wait for the API's welcome (a failure to connect fails the test here)."""
+        self.start()
+        assert self.welcomed.wait(30) and self.error is None, self.error
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
     async def serve(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
         raise NotImplementedError
