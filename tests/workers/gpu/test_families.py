@@ -15,7 +15,7 @@ from potocolom.protocol.manifests import ManifestError, parse_manifest
 from potocolom.protocol.rungs import RUNG_FULL, RUNG_GROUP_OFFLOAD, RUNG_MODEL_OFFLOAD, RUNGS
 from tests.workers.gpu.fake_api import FakeApi
 from tests.workers.gpu.support import run_async
-from tests.workers.gpu.test_checkpoints import IMG2IMG, TXT2IMG, over_the_wire, preempted_at, same_pixels
+from tests.workers.gpu.test_checkpoints import IMG2IMG, TXT2IMG, over_the_wire, pixels, preempted_at, same_pixels
 from tests.workers.gpu.test_client import make_client, running
 from workers.gpu.footprints import block_groups, pipeline_footprint
 from workers.gpu.installed import InstalledModel, discover_models
@@ -46,6 +46,20 @@ def family_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Install
 @pytest.fixture(scope="module")
 def full_pipelines(family_models: dict[str, InstalledModel]) -> dict[str, DiffusersPipeline]:
     return {family: DiffusersPipeline.load(model, "cpu") for family, model in family_models.items()}
+
+
+def same_but_rounding(ours: list[Any], theirs: list[Any]) -> bool:
+    """The same images but for float rounding: at most one level apart, in at most 0.1 % of the values.
+    Offloaded modules may run other CPU kernels than resident ones, which sum in another order (on an
+    AMD EPYC, SDXL img2img on model offload left 2 of 12,288 values one level off); a rung that
+    changed the computation would differ far more."""
+    if len(ours) != len(theirs):
+        return False
+    for a, b in zip(pixels(ours), pixels(theirs), strict=True):
+        diff = np.abs(a.astype(np.int16) - b.astype(np.int16))
+        if a.shape != b.shape or diff.max() > 1 or np.count_nonzero(diff) > diff.size // 1000:
+            return False
+    return True
 
 
 def frames(pipeline: DiffusersPipeline, count: int = 2) -> list[np.ndarray]:
@@ -109,7 +123,7 @@ def test_every_rung_gives_the_pixels_of_full_residency(family_models: dict[str, 
     pipeline = DiffusersPipeline.load(family_models[family], "cpu", rung)
 
     for params in (SHORT_TXT2IMG, SHORT_IMG2IMG, SHORT_TXT2IMG):  # twice: the hooks are reset after a call
-        assert same_pixels(pipeline.generate(params), full.generate(params)), params
+        assert same_but_rounding(pipeline.generate(params), full.generate(params)), params
     assert all(np.array_equal(a, b) for a, b in zip(frames(pipeline), frames(full), strict=True))
     if rung == RUNG_GROUP_OFFLOAD:  # the denoiser (SD3: the transformer) is cut into block groups
         denoiser = getattr(pipeline.pipe, DENOISER[family])
