@@ -105,6 +105,18 @@ PLACEMENT_TARGET_WAIT_SECONDS = envfloat("PLACEMENT_TARGET_WAIT_SECONDS", 30.0)
 PLACEMENT_IDLE_SECONDS = envfloat("PLACEMENT_IDLE_SECONDS", 300.0)
 PLACEMENT_MIN_RESIDENCY_SECONDS = envfloat("PLACEMENT_MIN_RESIDENCY_SECONDS", 60.0, minimum=-1.0)
 PLACEMENT_FAILED_LOAD_BACKOFF_SECONDS = envfloat("PLACEMENT_FAILED_LOAD_BACKOFF_SECONDS", 60.0, minimum=-1.0)
+# Beyond the contract's rules, for a latency target counted in a job's own run (bench/placement.py):
+# the target wait in queued jobs' own runs (0: PLACEMENT_TARGET_WAIT_SECONDS alone), the trend
+# rule's share (a copy more when a job would find every copy busy more often than this; 0: off),
+# and the burst rule (a copy more at once when the last window's arrivals would keep every copy
+# busier than the share; 0: off).
+PLACEMENT_TARGET_WAIT_JOBS = envfloat("PLACEMENT_TARGET_WAIT_JOBS", 0.0, minimum=-1e-9)
+PLACEMENT_COPY_BUSY_SHARE = envfloat("PLACEMENT_COPY_BUSY_SHARE", 0.2, minimum=-1e-9)
+PLACEMENT_BURST_WINDOW_SECONDS = envfloat("PLACEMENT_BURST_WINDOW_SECONDS", 10.0)
+PLACEMENT_BURST_BUSY_SHARE = envfloat("PLACEMENT_BURST_BUSY_SHARE", 0.8, minimum=-1e-9)
+for _share in ("PLACEMENT_COPY_BUSY_SHARE", "PLACEMENT_BURST_BUSY_SHARE"):
+    if globals()[_share] > 1.0:
+        raise ImproperlyConfigured(f"{_share} must be at most 1, got {globals()[_share]}")
 MEMORY_MODE = envstr("MEMORY_MODE", "auto")
 if MEMORY_MODE not in MEMORY_MODES:
     raise ImproperlyConfigured(f"MEMORY_MODE must be one of {', '.join(MEMORY_MODES)}, got {MEMORY_MODE!r}")

@@ -42,6 +42,13 @@ class PlacementSettings:
     retire_slow_copies: bool = False  # see _Plan.retire_slow_copies: beyond the contract, off by default
     demand_window_seconds: float = 60.0
     copy_busy_share: float = 0.2
+    # The burst rule (every run, events too): a model whose arrivals over the last
+    # burst_window_seconds (ModelDemand.burst_steps) would keep every copy's worker busy more than
+    # burst_busy_share of the time gets one more copy at once, while none is loading (0 turns it
+    # off). A spike that saturates a copy shows within seconds, long before a 60 s trend or a queue
+    # past the target wait; the high share keeps a few jobs' noise from loading anything.
+    burst_window_seconds: float = 10.0
+    burst_busy_share: float = 0.8
 
 
 @dataclass(frozen=True)
@@ -54,6 +61,7 @@ class ModelDemand:
     queued_steps: int = 0
     waiting_sessions: int = 0
     recent_steps: int = 0  # steps of the jobs submitted for it in the last demand_window_seconds (the trend)
+    burst_steps: int = 0  # ... in the last burst_window_seconds (the burst rule)
 
 
 @dataclass(frozen=True)
@@ -153,6 +161,10 @@ def plan_placement(demand: Iterable[ModelDemand], workers: Iterable[WorkerState]
     rule 1, a model with waiting work and no copy on a worker that takes work (for waiting sessions:
     no copy on rung full) is loaded at once on a worker that has it installed, after unloading that
     worker's least recently used models that hold no job or session if its memory is short.
+    Every run also the burst rule (unless burst_busy_share is 0): a model whose arrivals of the
+    last burst_window_seconds would keep every copy's worker busier than burst_busy_share, and none
+    of whose copies is still loading, gets one more copy under rule 2's memory rules (idle or spare
+    copies give way; no copy on a rung slower than copy_max_step_factor).
     With `periodic=True` (every PLACEMENT_SECONDS) also rule 2: a model whose queued work (queued
     steps x step_ms, over the throughput of its copies) exceeds the target wait gets copies on
     other workers until it does not, unloading for them only copies idle for `idle_seconds`; and
@@ -177,10 +189,12 @@ def plan_placement(demand: Iterable[ModelDemand], workers: Iterable[WorkerState]
     the fewest unloads, then the most memory left, then worker_id.
     """
     settings = settings or PlacementSettings()
-    models = {d.model_id: d for d in demand
-              if d.queued_jobs > 0 or d.queued_steps > 0 or d.waiting_sessions > 0 or d.recent_steps > 0}
+    models = {d.model_id: d for d in demand if d.queued_jobs > 0 or d.queued_steps > 0 or d.waiting_sessions > 0
+              or d.recent_steps > 0 or d.burst_steps > 0}
     plan = _Plan([_view(w) for w in sorted(workers, key=lambda w: w.worker_id)], models, now, settings)
     plan.rule_1()
+    if settings.burst_busy_share > 0:
+        plan.burst_rule()
     if periodic:
         plan.rule_2()
         if settings.retire_slow_copies:
@@ -266,6 +280,22 @@ class _Plan:
         for d in by_wait:
             self._more_full_for_sessions(d, idle_only=True)
 
+    def burst_rule(self) -> None:
+        """One more copy, at once, of each model whose arrivals of the last burst_window_seconds
+        would keep every copy's worker busier than burst_busy_share (a burst: a copy's worth of
+        demand come within seconds), while none of its copies is loading (the one on its way is
+        counted first). Busiest first."""
+        share = self.settings.burst_busy_share
+        busiest = sorted(((self._busy_share(d, burst=True), d) for d in self.models.values() if d.burst_steps > 0),
+                         key=lambda pair: (-pair[0], pair[1].model_id))
+        for busy, d in busiest:
+            copies = self._copies(d.model_id)
+            if busy <= share or not copies or any(d.model_id not in w.loaded for w in copies):
+                continue
+            why = (f"a burst: {d.burst_steps} steps came in the last {self.settings.burst_window_seconds:g} s: "
+                   f"a job finds {self._copies_text(d.model_id)} busy {busy:.0%} of the time, above {share:.0%}")
+            self._place(d.model_id, why, full_only=False, idle_only=True)
+
     def retire_slow_copies(self) -> None:
         """Unload idle copies on a rung slower than `copy_max_step_factor` that their model can do
         without (a faster copy carries its work): the dispatcher sends a job to any free copy, and
@@ -347,22 +377,30 @@ class _Plan:
         fixed = self.settings.rung_job_seconds.get(rung, 0.0) * 1000.0 / (max(steps, 1) * step_ms)
         return self.settings.rung_step_factor.get(rung, 1.0) + fixed
 
-    def _copy_load(self, w: _Worker, model_id: str) -> float:
+    def _rate(self, d: ModelDemand, *, burst: bool = False) -> float:
+        """`d`'s model's arrivals in steps a second: over the demand window, or for the burst rule
+        the higher of that and the burst window's."""
+        rate = d.recent_steps / self.settings.demand_window_seconds
+        if burst and self.settings.burst_window_seconds > 0:
+            rate = max(rate, d.burst_steps / self.settings.burst_window_seconds)
+        return rate
+
+    def _copy_load(self, w: _Worker, model_id: str, *, burst: bool = False) -> float:
         """The share of `w`'s time the recent arrivals of `model_id` take, spread evenly over its copies."""
         d = self.models.get(model_id)
-        if d is None or d.recent_steps == 0 or model_id not in w.copies:
+        if d is None or model_id not in w.copies or (rate := self._rate(d, burst=burst)) == 0:
             return 0.0
         installed = w.installed.get(model_id)
         step_ms = installed.step_ms if installed and installed.step_ms else self.settings.default_step_ms
         factor = self._factor(model_id, w.copies[model_id], step_ms)
         copies = max(1, len(self._copies(model_id)))
-        return d.recent_steps / self.settings.demand_window_seconds * step_ms * factor / 1000.0 / copies
+        return rate * step_ms * factor / 1000.0 / copies
 
-    def _worker_load(self, w: _Worker, unloads: Sequence[LoadedModel] = ()) -> float:
+    def _worker_load(self, w: _Worker, unloads: Sequence[LoadedModel] = (), *, burst: bool = False) -> float:
         """The share of `w`'s time its copies' recent arrivals take (less the models to be unloaded):
         a copy on a worker busy with other models' jobs runs fewer of its own, and its jobs wait."""
         gone = {m.model_id for m in unloads}
-        return sum(self._copy_load(w, m) for m in w.copies if m not in gone)
+        return sum(self._copy_load(w, m, burst=burst) for m in w.copies if m not in gone)
 
     def _wait_seconds(self, d: ModelDemand, *, without: _Worker | None = None) -> float:
         """Queued steps over the copies' summed throughput: the contract's queued steps x step_ms /
@@ -372,19 +410,20 @@ class _Plan:
         per_second = self._steps_per_second(d.model_id, without=without)
         return float("inf") if per_second == 0 else d.queued_steps / per_second
 
-    def _busy_share(self, d: ModelDemand, *, without: _Worker | None = None) -> float:
+    def _busy_share(self, d: ModelDemand, *, without: _Worker | None = None, burst: bool = False) -> float:
         """The chance that a job of `d`'s model finds every copy's worker busy (so it queues), from
-        the recent arrivals: the product over its copies of each worker's load (its copies' recent
-        work, this model's spread over its copies), 1.0 with no copy. A job whose budget is a few
+        the recent arrivals (with `burst`, the burst window's rate where higher): the product over
+        its copies of each worker's load (its copies' recent work, this model's spread over its
+        copies), 1.0 with no copy. A job whose budget is a few
         times its own run cannot wait for another model's job to end, so this, not a copy's own
         utilisation, is what makes it late."""
-        if d.recent_steps == 0:
+        if self._rate(d, burst=burst) == 0:
             return 0.0
         copies = [w for w in self._copies(d.model_id) if w is not without]
         chance = 1.0
         for w in copies:
             spread = len(self._copies(d.model_id)) / len(copies)  # its share of the copy left out
-            load = self._worker_load(w) + self._copy_load(w, d.model_id) * (spread - 1)
+            load = self._worker_load(w, burst=burst) + self._copy_load(w, d.model_id, burst=burst) * (spread - 1)
             chance *= min(1.0, load)
         return chance
 

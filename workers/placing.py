@@ -49,7 +49,11 @@ def placement_settings() -> PlacementSettings:
     return PlacementSettings(target_wait_seconds=settings.PLACEMENT_TARGET_WAIT_SECONDS,
                              idle_seconds=settings.PLACEMENT_IDLE_SECONDS,
                              min_residency_seconds=settings.PLACEMENT_MIN_RESIDENCY_SECONDS,
-                             failed_load_backoff_seconds=settings.PLACEMENT_FAILED_LOAD_BACKOFF_SECONDS)
+                             failed_load_backoff_seconds=settings.PLACEMENT_FAILED_LOAD_BACKOFF_SECONDS,
+                             target_wait_jobs=settings.PLACEMENT_TARGET_WAIT_JOBS,
+                             copy_busy_share=settings.PLACEMENT_COPY_BUSY_SHARE,
+                             burst_window_seconds=settings.PLACEMENT_BURST_WINDOW_SECONDS,
+                             burst_busy_share=settings.PLACEMENT_BURST_BUSY_SHARE)
 
 
 @contextlib.contextmanager
@@ -77,7 +81,9 @@ def placement_run(*, now: datetime, periodic: bool = False) -> list[PlacementAct
         if not workers:
             return []
         rules = placement_settings()
-        demand = _demand(since=now - timedelta(seconds=rules.demand_window_seconds))
+        demand = _demand(since=now - timedelta(seconds=rules.demand_window_seconds),
+                         burst_since=now - timedelta(seconds=rules.burst_window_seconds)
+                         if rules.burst_busy_share > 0 else None)
         fleet = _fleet(workers, now=now)
         actions = plan_placement(demand, fleet, now=epoch(now), periodic=periodic, settings=rules)
         by_id = {w.worker_id: w for w in workers}
@@ -97,13 +103,17 @@ def _connected_rows(now: datetime) -> list[Worker]:
                 .exclude(channel_name="").order_by("worker_id"))
 
 
-def _demand(*, since: datetime) -> list[ModelDemand]:
+def _demand(*, since: datetime, burst_since: datetime | None) -> list[ModelDemand]:
+    """What waits per model, the trend since `since`, and the burst since `burst_since` (None: the
+    burst rule is off)."""
     jobs = job_reads.queued_demand()
     sessions = session_reads.waiting_sessions_per_model()
     recent = job_reads.recent_steps(since=since)
+    burst = job_reads.recent_steps(since=burst_since) if burst_since is not None else {}
     return [ModelDemand(model_id, queued_jobs=jobs.get(model_id, (0, 0))[0], queued_steps=jobs.get(model_id, (0, 0))[1],
-                        waiting_sessions=sessions.get(model_id, 0), recent_steps=recent.get(model_id, 0))
-            for model_id in sorted(jobs.keys() | sessions.keys() | recent.keys())]
+                        waiting_sessions=sessions.get(model_id, 0), recent_steps=recent.get(model_id, 0),
+                        burst_steps=burst.get(model_id, 0))
+            for model_id in sorted(jobs.keys() | sessions.keys() | recent.keys() | burst.keys())]
 
 
 def _fleet(workers: list[Worker], *, now: datetime) -> list[WorkerState]:

@@ -241,3 +241,31 @@ async def test_loads_are_counted_on_metrics(alice, placing_workers, staff):
     await worker.loaded("tiny-b", free_mib=300)
     assert (await worker.jobs(1))[0]["model_id"] == "tiny-b"
     assert await database_sync_to_async(loads)() == before + 1
+
+
+async def test_a_burst_of_jobs_gets_another_copy_at_once_on_an_event(alice, placing_workers):
+    from workers.models import PlacementRecord
+
+    first, second = placing_workers("host-a:0"), placing_workers("host-b:0")
+    await first.arrive(["tiny-a"], ["tiny-a"], free_mib=400)
+    await second.arrive([], ["tiny-a"], free_mib=1000)
+    await submit_jobs(alice, 10)
+    assert await plan() == []  # 10 jobs x 30 steps x 20 ms in the last 10 s: its one copy 60 % busy, within 80 %
+
+    await submit_jobs(alice, 10)  # 120 %: a burst
+    assert await plan() == [("load", "host-b:0", "tiny-a")]
+    assert await second.receive() == {"type": "load_model", "model_id": "tiny-a", "rung": "full"}
+    reason = await database_sync_to_async(lambda: PlacementRecord.objects.get().reason)()
+    assert reason.startswith("load: a burst: 600 steps came in the last 10 s")
+    assert await plan() == []  # one copy at a time: the next waits for this one
+
+
+async def test_the_burst_rule_can_be_turned_off(alice, placing_workers, settings):
+    settings.PLACEMENT_BURST_BUSY_SHARE = 0.0
+    first, second = placing_workers("host-a:0"), placing_workers("host-b:0")
+    await first.arrive(["tiny-a"], ["tiny-a"], free_mib=400)
+    await second.arrive([], ["tiny-a"], free_mib=1000)
+    await submit_jobs(alice, 20)
+
+    assert await plan() == []
+    assert await second.silent()

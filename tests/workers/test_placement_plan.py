@@ -253,6 +253,55 @@ def test_it_retires_no_slow_copy_its_models_work_still_wants():
     assert plan_placement([jobs("xl", n=30)], fleet, now=NOW, periodic=True, settings=RETIRE) == []
 
 
+def burst(model_id: str, steps: int) -> ModelDemand:
+    return ModelDemand(model_id, burst_steps=steps)
+
+
+# 120 steps in the last 10 s x 75 ms: the one copy's worker busy 90 % of the time, above 80 %
+BURST_CASES = [
+    pytest.param([burst("xl", 120)], [worker("w1", 0, held("xl", mib=9_800)), worker("w2", 20_000)],
+                 [("load", "w2", "xl", "full")], id="it-adds-a-copy-at-once-for-a-burst"),
+    pytest.param([burst("xl", 80)], [worker("w1", 0, held("xl", mib=9_800)), worker("w2", 20_000)], [],
+                 id="it-adds-no-copy-for-a-few-jobs-within-the-share"),
+    pytest.param([burst("xl", 240)], [worker("w1", 0, held("xl", mib=9_800)),
+                                      worker("w2", 10_000, loading=[PendingLoad("xl", "full")]),
+                                      worker("w3", 20_000)], [],
+                 id="it-waits-for-the-copy-on-its-way-before-adding-another"),
+    pytest.param([burst("xl", 120)], [worker("w1", 0, held("xl", mib=9_800)),
+                                      worker("w2", 0, held("sd", last_used=NOW - 5))], [],
+                 id="it-takes-no-memory-from-a-models-only-copy-in-use"),
+    pytest.param([burst("xl", 120)], [worker("w1", 0, held("xl", mib=9_800)), worker("w2", 4_000)], [],
+                 id="it-adds-no-copy-on-a-rung-slower-than-copy-max-step-factor"),
+    pytest.param([burst("xl", 120)], [worker("w1", 0), worker("w2", 20_000)], [],
+                 id="it-leaves-a-model-with-no-copy-and-no-queue-to-rule-1"),
+]
+
+
+@pytest.mark.parametrize("demand, workers, expected", BURST_CASES)
+@pytest.mark.parametrize("periodic", [False, True], ids=["event", "periodic"])
+def test_it_plans_for_a_burst_on_every_run(demand, workers, expected, periodic):
+    actions = plan_placement(demand, workers, now=NOW, periodic=periodic)
+    assert brief(actions) == expected
+    assert all("a burst: " in a.reason for a in actions if a.kind == "load")
+
+
+def test_it_plans_nothing_for_a_burst_when_the_burst_rule_is_off():
+    fleet = [worker("w1", 0, held("xl", mib=9_800)), worker("w2", 20_000)]
+    off = PlacementSettings(burst_busy_share=0.0)
+
+    assert plan_placement([burst("xl", 600)], fleet, now=NOW, settings=off) == []
+    assert brief(plan_placement([burst("xl", 600)], fleet, now=NOW)) == [("load", "w2", "xl", "full")]
+
+
+def test_it_says_why_a_burst_loads():
+    fleet = [worker("w1", 0, held("xl", mib=9_800)), worker("w2", 20_000)]
+
+    (load,) = plan_placement([burst("xl", 120)], fleet, now=NOW)
+
+    assert load.reason == ("load: a burst: 120 steps came in the last 10 s: a job finds 1 copy on w1 (full) "
+                           "busy 90% of the time, above 80%")
+
+
 def test_it_uses_the_default_step_time_until_a_step_is_measured():
     unmeasured = replace(XL, step_ms=None)
     fleet = [worker("w1", 0, held("xl", mib=9_800), installed=(unmeasured,)),
@@ -324,9 +373,11 @@ def fleets(draw) -> list[WorkerState]:
 
 
 demands = st.lists(st.builds(ModelDemand, st.sampled_from(MODELS), st.integers(0, 60), st.integers(0, 3_000),
-                             st.integers(0, 4), st.integers(0, 3_000)), max_size=5, unique_by=lambda d: d.model_id)
-# the contract's defaults, and the settings the bench tunes for a 3x SLO (with the opt-in retire)
-TUNINGS = (PlacementSettings(), PlacementSettings(target_wait_jobs=2.0, retire_slow_copies=True))
+                             st.integers(0, 4), st.integers(0, 3_000), st.integers(0, 1_000)),
+                   max_size=5, unique_by=lambda d: d.model_id)
+# the defaults, the settings the bench tunes for a 3x SLO (with the opt-in retire), and the contract's rules alone
+TUNINGS = (PlacementSettings(), PlacementSettings(target_wait_jobs=1.0, retire_slow_copies=True),
+           PlacementSettings(burst_busy_share=0.0, copy_busy_share=0.0))
 plans = st.tuples(demands, fleets(), st.booleans(), st.sampled_from(TUNINGS))
 
 
