@@ -79,7 +79,10 @@ def test_models_follow_the_demand_across_two_workers_that_each_hold_one(tmp_path
         seen = staff.http.get("/api/v1/queues/").json()
         log = [(p["action"], p["model_id"], p["outcome"]) for p in reversed(seen["placement"])]
         assert ("unload", "tiny-a", "unloaded") in log and ("load", "tiny-b", "loaded") in log, log
-        assert all(outcome in ("loaded", "unloaded", "kept") for _, _, outcome in log), log
+        # nothing failed or went missing; only the newest action, a copy the last jobs' queue asked
+        # for, may still be loading (its worker measures realtime slots after loading)
+        assert all(outcome in ("loaded", "unloaded", "kept", "waiting") for _, _, outcome in log), log
+        assert [n for n, (_, _, outcome) in enumerate(log) if outcome == "waiting"] in ([], [len(log) - 1]), log
         for worker in seen["workers"]:
             assert {m["model_id"] for m in worker["installed"]} == {"tiny-a", "tiny-b"}
             assert len(worker["models"]) <= 1  # the budget holds one
