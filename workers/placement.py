@@ -414,9 +414,8 @@ class _Plan:
         """The chance that a job of `d`'s model finds every copy's worker busy (so it queues), from
         the recent arrivals (with `burst`, the burst window's rate where higher): the product over
         its copies of each worker's load (its copies' recent work, this model's spread over its
-        copies), 1.0 with no copy. A job whose budget is a few
-        times its own run cannot wait for another model's job to end, so this, not a copy's own
-        utilisation, is what makes it late."""
+        copies), 1.0 with no copy. A job whose budget is a few times its own run cannot wait for
+        another model's job to end, so this, not a copy's own utilisation, is what makes it late."""
         if self._rate(d, burst=burst) == 0:
             return 0.0
         copies = [w for w in self._copies(d.model_id) if w is not without]
