@@ -260,6 +260,10 @@ class SimWorker:
         c = self.copies.get(model_id)
         return c is not None and not c.unloading
 
+    def actions(self) -> list[PlacementAction]:
+        """The load or unload under way, then those waiting for it."""
+        return ([self.loader] if self.loader else []) + list(self.inbox)
+
 
 class Fleet:
     """The discrete-event model: per model a FIFO of queued jobs and waiting sessions; per worker one
@@ -308,7 +312,7 @@ class Fleet:
     def states(self) -> list[WorkerState]:
         out = []
         for w in self.workers:
-            pending = [a for a in ([w.loader] if w.loader else []) + list(w.inbox) if a.kind == LOAD]
+            pending = [a for a in w.actions() if a.kind == LOAD]
             loaded = [LoadedModel(m, c.rung, c.held_mib, (w.job is not None and w.job.model_id == m) or w.live[m] > 0,
                                   self.now if w.live[m] else c.last_used, c.loaded_at) for m, c in w.copies.items()]
             out.append(WorkerState(w.worker_id, self.installed, loaded, w.free_mib(),
@@ -322,12 +326,12 @@ class Fleet:
     def has_copy_coming(self, model_id: str) -> bool:
         """A load of `model_id` is queued or under way on some worker."""
         return any(a.kind == LOAD and a.model_id == model_id
-                   for w in self.workers for a in ([w.loader] if w.loader else []) + list(w.inbox))
+                   for w in self.workers for a in w.actions())
 
     def has_copy(self, model_id: str, *, full: bool) -> bool:
         return any(w.ready(model_id) and (not full or w.copies[model_id].rung == RUNG_FULL)
                    or any(a.kind == LOAD and a.model_id == model_id and (not full or a.rung == RUNG_FULL)
-                          for a in ([w.loader] if w.loader else []) + list(w.inbox)) for w in self.workers)
+                          for a in w.actions()) for w in self.workers)
 
     # actions
     def apply(self, actions: Sequence[PlacementAction]) -> None:

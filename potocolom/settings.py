@@ -34,7 +34,7 @@ def envint(name: str, default: int, *, minimum: int = 0) -> int:
     return value
 
 
-def envfloat(name: str, default: float, *, minimum: float = 0.0) -> float:
+def envfloat(name: str, default: float, *, minimum: float = 0.0, maximum: float | None = None) -> float:
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
@@ -44,6 +44,8 @@ def envfloat(name: str, default: float, *, minimum: float = 0.0) -> float:
         raise ImproperlyConfigured(f"{name} must be a number, got {raw!r}") from None
     if not value > minimum:
         raise ImproperlyConfigured(f"{name} must be more than {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ImproperlyConfigured(f"{name} must be at most {maximum:g}, got {value}")
     return value
 
 
@@ -111,12 +113,9 @@ PLACEMENT_FAILED_LOAD_BACKOFF_SECONDS = envfloat("PLACEMENT_FAILED_LOAD_BACKOFF_
 # and the burst rule (a copy more at once when the last window's arrivals would keep every copy
 # busier than the share; 0: off).
 PLACEMENT_TARGET_WAIT_JOBS = envfloat("PLACEMENT_TARGET_WAIT_JOBS", 0.0, minimum=-1e-9)
-PLACEMENT_COPY_BUSY_SHARE = envfloat("PLACEMENT_COPY_BUSY_SHARE", 0.2, minimum=-1e-9)
+PLACEMENT_COPY_BUSY_SHARE = envfloat("PLACEMENT_COPY_BUSY_SHARE", 0.2, minimum=-1e-9, maximum=1.0)
 PLACEMENT_BURST_WINDOW_SECONDS = envfloat("PLACEMENT_BURST_WINDOW_SECONDS", 10.0)
-PLACEMENT_BURST_BUSY_SHARE = envfloat("PLACEMENT_BURST_BUSY_SHARE", 0.8, minimum=-1e-9)
-for _share in ("PLACEMENT_COPY_BUSY_SHARE", "PLACEMENT_BURST_BUSY_SHARE"):
-    if globals()[_share] > 1.0:
-        raise ImproperlyConfigured(f"{_share} must be at most 1, got {globals()[_share]}")
+PLACEMENT_BURST_BUSY_SHARE = envfloat("PLACEMENT_BURST_BUSY_SHARE", 0.8, minimum=-1e-9, maximum=1.0)
 MEMORY_MODE = envstr("MEMORY_MODE", "auto")
 if MEMORY_MODE not in MEMORY_MODES:
     raise ImproperlyConfigured(f"MEMORY_MODE must be one of {', '.join(MEMORY_MODES)}, got {MEMORY_MODE!r}")

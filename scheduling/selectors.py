@@ -1,13 +1,13 @@
 """Reads of the job path: an account's jobs, queue positions, and the queue as operators see it."""
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
 from django.conf import settings
 from django.contrib.auth.models import User
-from django.db.models import Count, F, IntegerField, Max, QuerySet, Sum, Value
+from django.db.models import Count, F, IntegerField, Max, Q, QuerySet, Sum, Value
 from django.db.models.fields.json import KT
 from django.db.models.functions import Cast, Coalesce, Greatest
 
@@ -68,12 +68,14 @@ def queued_demand() -> dict[str, tuple[int, int]]:
     return {model_id: (jobs, int(total or 0)) for model_id, jobs, total in rows}
 
 
-def recent_steps(*, since: datetime) -> dict[str, int]:
-    """Steps of the jobs submitted per model since `since`, whatever became of them (placement's
-    trend: what arrives, before a queue forms)."""
+def recent_steps(*, since: Sequence[datetime]) -> dict[str, tuple[int, ...]]:
+    """Steps of the jobs submitted per model since each moment of `since`, whatever became of them
+    (placement's trend and burst: what arrives, before a queue forms), in one grouped query."""
     steps = Coalesce(Cast(KT("params__steps"), IntegerField()), Value(STEPS_UNSAID))
-    rows = Job.objects.filter(created_at__gte=since).order_by().values_list("model_id").annotate(steps=Sum(steps))
-    return {model_id: int(total or 0) for model_id, total in rows}
+    windows = {f"since_{n}": Sum(steps, filter=Q(created_at__gte=moment)) for n, moment in enumerate(since)}
+    rows = (Job.objects.filter(created_at__gte=min(since)).order_by().values("model_id").annotate(**windows)
+            .values_list("model_id", *windows))
+    return {model_id: tuple(int(total or 0) for total in totals) for model_id, *totals in rows}
 
 
 def held_models(worker_ids: list[str]) -> set[tuple[str, str]]:

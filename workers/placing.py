@@ -108,12 +108,14 @@ def _demand(*, since: datetime, burst_since: datetime | None) -> list[ModelDeman
     burst rule is off)."""
     jobs = job_reads.queued_demand()
     sessions = session_reads.waiting_sessions_per_model()
-    recent = job_reads.recent_steps(since=since)
-    burst = job_reads.recent_steps(since=burst_since) if burst_since is not None else {}
-    return [ModelDemand(model_id, queued_jobs=jobs.get(model_id, (0, 0))[0], queued_steps=jobs.get(model_id, (0, 0))[1],
-                        waiting_sessions=sessions.get(model_id, 0), recent_steps=recent.get(model_id, 0),
-                        burst_steps=burst.get(model_id, 0))
-            for model_id in sorted(jobs.keys() | sessions.keys() | recent.keys() | burst.keys())]
+    arrived = job_reads.recent_steps(since=[since] if burst_since is None else [since, burst_since])
+    out = []
+    for model_id in sorted(jobs.keys() | sessions.keys() | arrived.keys()):
+        queued_jobs, queued_steps = jobs.get(model_id, (0, 0))
+        recent, burst = (*arrived.get(model_id, ()), 0, 0)[:2]  # no burst window: burst 0
+        out.append(ModelDemand(model_id, queued_jobs=queued_jobs, queued_steps=queued_steps,
+                               waiting_sessions=sessions.get(model_id, 0), recent_steps=recent, burst_steps=burst))
+    return out
 
 
 def _fleet(workers: list[Worker], *, now: datetime) -> list[WorkerState]:
