@@ -634,6 +634,8 @@ def main() -> None:
                         help="the planner's PLACEMENT_TARGET_WAIT_JOBS (0: the target wait alone)")
     parser.add_argument("--burst-busy-share", type=float, default=PlacementSettings().burst_busy_share,
                         help="the planner's PLACEMENT_BURST_BUSY_SHARE, for every replay of it (0: the burst rule off)")
+    parser.add_argument("--copy-busy-share", type=float, default=PlacementSettings().copy_busy_share,
+                        help="the planner's PLACEMENT_COPY_BUSY_SHARE, for every replay of it (0: the trend rule off)")
     parser.add_argument("--also-target-wait", type=float, default=30.0,
                         help="also replay the planner tuned for the SLO: this target wait ... (0: not)")
     parser.add_argument("--also-target-wait-jobs", type=float, default=2.0,
@@ -642,9 +644,8 @@ def main() -> None:
                         help="also replay the tuned planner retiring spare slow copies (beyond the contract)")
     args = parser.parse_args()
     settings = PlacementSettings(target_wait_seconds=args.target_wait, target_wait_jobs=args.target_wait_jobs,
-                                 burst_busy_share=args.burst_busy_share)
-    tuned = PlacementSettings(target_wait_seconds=args.also_target_wait,
-                              target_wait_jobs=args.also_target_wait_jobs, burst_busy_share=args.burst_busy_share)
+                                 burst_busy_share=args.burst_busy_share, copy_busy_share=args.copy_busy_share)
+    tuned = replace(settings, target_wait_seconds=args.also_target_wait, target_wait_jobs=args.also_target_wait_jobs)
     replays: dict[str, tuple[str, PlacementSettings]] = {name: (name, settings) for name in POLICIES}
     if args.also_target_wait:  # the same planner with the settings an operator would pick for this SLO
         replays["tuned"] = ("planner", tuned)
@@ -656,8 +657,9 @@ def main() -> None:
           f"{args.duration:,.0f} s each (+ up to {DRAIN_SECONDS:,.0f} s to drain), jobs {args.job_rate:g}/s + "
           f"spikes, sessions {args.session_rate:.3g}/s; rungs {args.rungs}")
     print(f"planner: PLACEMENT_TARGET_WAIT_SECONDS={settings.target_wait_seconds:g}, "
-          f"PLACEMENT_TARGET_WAIT_JOBS={settings.target_wait_jobs:g}, the rest the defaults (burst rule: "
-          f"{settings.burst_busy_share:.0%} over {settings.burst_window_seconds:g} s)")
+          f"PLACEMENT_TARGET_WAIT_JOBS={settings.target_wait_jobs:g}, the rest the defaults (trend rule: "
+          f"{settings.copy_busy_share:.0%}; burst rule: {settings.burst_busy_share:.0%} over "
+          f"{settings.burst_window_seconds:g} s)")
     if "tuned" in replays:
         print(f"tuned: the planner with PLACEMENT_TARGET_WAIT_SECONDS={tuned.target_wait_seconds:g} and "
               f"PLACEMENT_TARGET_WAIT_JOBS={tuned.target_wait_jobs:g}: a copy more once queued work per copy "

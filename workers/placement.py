@@ -163,8 +163,9 @@ def plan_placement(demand: Iterable[ModelDemand], workers: Iterable[WorkerState]
     worker's least recently used models that hold no job or session if its memory is short.
     Every run also the burst rule (unless burst_busy_share is 0): a model whose arrivals of the
     last burst_window_seconds would keep every copy's worker busier than burst_busy_share, and none
-    of whose copies is still loading, gets one more copy under rule 2's memory rules (idle or spare
-    copies give way; no copy on a rung slower than copy_max_step_factor).
+    of whose copies is still loading, gets one more copy under rule 2's memory rules (idle copies
+    give way, and so may a spare copy: one its model can do without, however recently used; no copy
+    on a rung slower than copy_max_step_factor).
     With `periodic=True` (every PLACEMENT_SECONDS) also rule 2: a model whose queued work (queued
     steps x step_ms, over the throughput of its copies) exceeds the target wait gets copies on
     other workers until it does not, unloading for them only copies idle for `idle_seconds`; and
@@ -174,8 +175,7 @@ def plan_placement(demand: Iterable[ModelDemand], workers: Iterable[WorkerState]
     share of its worker that other models' recent arrivals leave; the target wait may be counted in
     the model's own job runs (target_wait_jobs); with ModelDemand.recent_steps it also adds a copy
     when a job would find every copy's worker busy more than copy_busy_share of the time (the
-    trend), never on a rung slower than copy_max_step_factor, and may take a spare copy (one its
-    model can do without) however recently used. A session waiting while every full copy's slots
+    trend), never on a rung slower than copy_max_step_factor. A session waiting while every full copy's slots
     are taken gets a full copy at once (on an event too). A load prefers, in order: a rung no slower
     than copy_max_step_factor, unloads that leave every model a ready copy, the highest rung.
     With retire_slow_copies (off: beyond the contract) spare copies on slow rungs are unloaded.
@@ -294,7 +294,7 @@ class _Plan:
                 continue
             why = (f"a burst: {d.burst_steps} steps came in the last {self.settings.burst_window_seconds:g} s: "
                    f"a job finds {self._copies_text(d.model_id)} busy {busy:.0%} of the time, above {share:.0%}")
-            self._place(d.model_id, why, full_only=False, idle_only=True)
+            self._place(d.model_id, why, full_only=False, idle_only=True, burst=True)
 
     def retire_slow_copies(self) -> None:
         """Unload idle copies on a rung slower than `copy_max_step_factor` that their model can do
@@ -428,9 +428,10 @@ class _Plan:
 
     # choosing a worker ----------------------------------------------------------------------
 
-    def _place(self, model_id: str, why: str, *, full_only: bool, idle_only: bool) -> bool:
-        """Plan one new copy of `model_id` on the best worker that can take it; False when none can."""
-        choices = [c for w in self.workers for c in self._choices(w, model_id, full_only, idle_only)]
+    def _place(self, model_id: str, why: str, *, full_only: bool, idle_only: bool, burst: bool = False) -> bool:
+        """Plan one new copy of `model_id` on the best worker that can take it; False when none can.
+        With `burst`, spare copies give way too (see _evictable)."""
+        choices = [c for w in self.workers for c in self._choices(w, model_id, full_only, idle_only, burst)]
         if not choices:
             return False
         best = min(choices, key=lambda c: (self._slow(model_id, c.rung), self._last_copies(c.unloads),
@@ -442,21 +443,22 @@ class _Plan:
                                            c.worker.state.worker_id))
         w = best.worker
         for m in best.unloads:
-            self._unload(w, m, model_id, idle_only)
+            self._unload(w, m, model_id, idle_only, burst)
         w.available_mib -= _needs(w.installed[model_id], best.rung)
         w.copies[model_id] = best.rung
         w.untouchable.add(model_id)
         self.actions.append(PlacementAction(LOAD, w.state.worker_id, model_id, best.rung, f"load: {why}"))
         return True
 
-    def _choices(self, w: _Worker, model_id: str, full_only: bool, idle_only: bool) -> list[_Choice]:
+    def _choices(self, w: _Worker, model_id: str, full_only: bool, idle_only: bool,
+                 burst: bool = False) -> list[_Choice]:
         """Each rung `w` can give `model_id` (with the unloads each takes), highest first; none when
         `w` may not or cannot take it."""
         installed = w.installed.get(model_id)
         if (installed is None or w.state.draining or model_id in w.copies or model_id in w.untouchable
                 or self._backing_off(w, model_id)):
             return []
-        spare = self._evictable(w, idle_only)
+        spare = self._evictable(w, idle_only, burst)
         out = []
         for rung in (RUNG_FULL,) if full_only else RUNGS:
             if rung not in installed.needs_mib:
@@ -487,17 +489,20 @@ class _Plan:
         failed_at = w.state.failed_loads.get(model_id)
         return failed_at is not None and self.now - failed_at < self.settings.failed_load_backoff_seconds
 
-    def _evictable(self, w: _Worker, idle_only: bool) -> list[LoadedModel]:
+    def _evictable(self, w: _Worker, idle_only: bool, burst: bool = False) -> list[LoadedModel]:
         """`w`'s models that may give way, least recently used first: not busy, not API-loaded within
         the minimum residency, not the last copy of a model work waits for, and for the periodic rule
-        idle for `idle_seconds` with no work waiting for it."""
+        idle for `idle_seconds` with no work waiting for it. For the burst rule also a spare copy
+        however recently used (_surplus): a burst cannot wait for a copy to idle; a copy more for a
+        trend or a queue can, and taking spare copies for those too mostly made the copy taken come
+        back later (docs/design/placement.md: a fifth more loads for no fewer late jobs)."""
         out = []
         for m in w.loaded.values():
             if m.busy or m.model_id in w.untouchable:
                 continue
             if m.loaded_at is not None and self.now - m.loaded_at < self.settings.min_residency_seconds:
                 continue
-            if idle_only and self._surplus(w, m.model_id):
+            if idle_only and burst and self._surplus(w, m.model_id):
                 out.append(m)
                 continue
             if idle_only and self.now - m.last_used < self.settings.idle_seconds:
@@ -510,7 +515,8 @@ class _Plan:
     def _surplus(self, w: _Worker, model_id: str) -> bool:
         """`w`'s copy of `model_id` is one its model can do without: another copy stays, and
         without this one neither its queued work nor its recent arrivals would want a copy back
-        (so the periodic rule may take it for another model however recently it ran)."""
+        (so a burst may take it for another model however recently it ran, and retire_slow_copies
+        may unload it)."""
         if self._ready(model_id) <= 1:
             return False
         d = self.models.get(model_id)
@@ -521,8 +527,8 @@ class _Plan:
                 and (share <= 0 or self._busy_share(d, without=w) <= share / 2)
                 and not (d.waiting_sessions and w.copies[model_id] == RUNG_FULL))
 
-    def _unload(self, w: _Worker, m: LoadedModel, for_model: str, idle_only: bool) -> None:
-        spare = idle_only and self._surplus(w, m.model_id)
+    def _unload(self, w: _Worker, m: LoadedModel, for_model: str, idle_only: bool, burst: bool = False) -> None:
+        spare = idle_only and burst and self._surplus(w, m.model_id)
         del w.loaded[m.model_id]
         del w.copies[m.model_id]
         w.untouchable.add(m.model_id)

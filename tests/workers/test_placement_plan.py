@@ -185,15 +185,17 @@ PERIODIC_CASES = [
                   worker("w3", 20_000, held("anime")), worker("w4", 20_000)],
                  [("load", "w4", "xl", "full")],
                  id="it-puts-a-copy-where-other-models-recent-work-leaves-room"),
+    # sd's copy on w2 is one sd can do without (w3 holds another), but it ran 5 s ago: only a burst
+    # may take it; a queue waits for it to idle, and takes the rung that fits meanwhile
     pytest.param([jobs("xl", n=50)], [worker("w1", 0, held("xl", mib=9_800)),
                                       worker("w2", 7_500, held("sd", last_used=NOW - 5)),
                                       worker("w3", 0, held("sd", busy=True))],
-                 [("unload", "w2", "sd", None), ("load", "w2", "xl", "full")],
-                 id="it-takes-a-spare-copy-however-recently-used-for-another-model"),
-    pytest.param([jobs("xl", n=50), ModelDemand("sd", recent_steps=3_000)],
-                 [worker("w1", 0, held("xl", mib=9_800)), worker("w2", 7_500, held("sd", last_used=NOW - 5)),
-                  worker("w3", 0, held("sd", busy=True))], [("load", "w2", "xl", "model_offload")],
-                 id="it-keeps-a-second-copy-its-models-trend-wants-and-takes-a-lower-rung"),
+                 [("load", "w2", "xl", "model_offload")],
+                 id="it-takes-no-recently-used-spare-copy-for-a-queue"),
+    pytest.param([jobs("xl", n=50)], [worker("w1", 0, held("xl", mib=9_800)),
+                                      worker("w2", 3_000, held("sd", last_used=NOW - 5)),
+                                      worker("w3", 0, held("sd", busy=True))], [],
+                 id="it-adds-no-copy-for-a-queue-where-only-a-recently-used-copy-would-make-room"),
     pytest.param([], [worker("w1", 0, held("sd", last_used=0.0))], [],
                  id="it-unloads-nothing-when-no-other-model-wants-the-memory"),
     pytest.param([sessions("sd", 2)], [worker("w1", 0, held("sd")), worker("w2", 3_000)],
@@ -274,6 +276,15 @@ BURST_CASES = [
                  id="it-adds-no-copy-on-a-rung-slower-than-copy-max-step-factor"),
     pytest.param([burst("xl", 120)], [worker("w1", 0), worker("w2", 20_000)], [],
                  id="it-leaves-a-model-with-no-copy-and-no-queue-to-rule-1"),
+    pytest.param([burst("xl", 120)], [worker("w1", 0, held("xl", mib=9_800)),
+                                      worker("w2", 7_500, held("sd", last_used=NOW - 5)),
+                                      worker("w3", 0, held("sd", busy=True))],
+                 [("unload", "w2", "sd", None), ("load", "w2", "xl", "full")],
+                 id="it-takes-a-spare-copy-however-recently-used"),
+    pytest.param([burst("xl", 120), ModelDemand("sd", recent_steps=3_000)],
+                 [worker("w1", 0, held("xl", mib=9_800)), worker("w2", 7_500, held("sd", last_used=NOW - 5)),
+                  worker("w3", 0, held("sd", busy=True))], [("load", "w2", "xl", "model_offload")],
+                 id="it-keeps-a-second-copy-its-models-trend-wants-and-takes-a-lower-rung"),
 ]
 
 
@@ -300,6 +311,16 @@ def test_it_says_why_a_burst_loads():
 
     assert load.reason == ("load: a burst: 120 steps came in the last 10 s: a job finds 1 copy on w1 (full) "
                            "busy 90% of the time, above 80%")
+
+
+def test_it_says_a_burst_took_a_spare_copy():
+    fleet = [worker("w1", 0, held("xl", mib=9_800)), worker("w2", 7_500, held("sd", last_used=NOW - 5)),
+             worker("w3", 0, held("sd", busy=True))]
+
+    unload, _ = plan_placement([burst("xl", 120)], fleet, now=NOW)
+
+    assert unload.reason == ("unload: frees 2,700 MiB for xl (a spare copy, last used 5 s ago, "
+                             "holds no job or session)")
 
 
 def test_it_uses_the_default_step_time_until_a_step_is_measured():
