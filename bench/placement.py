@@ -26,13 +26,15 @@ cache thrashes, and 24 GiB, where two copies of most models fit.
 The planner is replayed three times: at the defaults (PLACEMENT_TARGET_WAIT_SECONDS 30, the burst
 rule on); "tuned", as an operator would set it for this SLO (PLACEMENT_TARGET_WAIT_JOBS 2: a copy
 more once queued work per copy passes two of its jobs' own runs, the wait a 3x budget leaves); and
-"tuned+ret", also retiring
-spare copies on slow rungs (retire_slow_copies, beyond the contract's rule 2: for information).
-The API is modelled as feeding the planner each model's arrivals (ModelDemand.recent_steps over
-demand_window_seconds, burst_steps over burst_window_seconds) on every arrival and every
-PLACEMENT_SECONDS. It prints the trace's offered load against the fleet's capacity, and counts the
-late jobs by what they met first (no copy when they came, a queue, a slower rung: group offload's
-step is 3.7x full's, so a job there misses a 3x budget by itself).
+"tuned+ret", also retiring spare copies on slow rungs (retire_slow_copies, beyond the contract's
+rule 2: for information). The API is modelled as feeding the planner each model's arrivals
+(ModelDemand.recent_steps over demand_window_seconds, burst_steps over burst_window_seconds) on
+every arrival and every PLACEMENT_SECONDS, and as dispatching jobs the way it does
+(scheduling.policy.plan_dispatch: to the worker holding the fewest, up to JOB_DISPATCH_DEPTH, 2,
+a worker, so a job may wait on one worker while another copy frees; --dispatch-depth). It prints
+the trace's offered load against the fleet's capacity, and counts the late jobs by what they met
+first (no copy when they came, a queue, a slower rung: group offload's step is 3.7x full's, so a
+job there misses a 3x budget by itself).
 
     .venv/bin/python bench/placement.py [--seed 1] [--seeds 4] [--vram-mib 16384,24576] [--workers 8]
 """
@@ -250,11 +252,21 @@ class SimWorker:
     inbox: deque[PlacementAction] = field(default_factory=deque)
     loader: PlacementAction | None = None  # the load or unload under way
     job: Job | None = None
+    held: deque[Job] = field(default_factory=deque)  # dispatched to it, waiting for `job` to end
     live: Counter[str] = field(default_factory=Counter)  # model_id -> live sessions
     failed_loads: dict[str, float] = field(default_factory=dict)
 
     def free_mib(self) -> int:
         return self.vram_mib - sum(c.held_mib for c in self.copies.values())
+
+    def holds(self) -> int:
+        """The jobs counted against its dispatch depth: the one it runs and those it holds."""
+        return (self.job is not None) + len(self.held)
+
+    def busy(self, model_id: str) -> bool:
+        """A job or a live session of `model_id` is on it (the planner never unloads it then)."""
+        return (self.live[model_id] > 0 or (self.job is not None and self.job.model_id == model_id)
+                or any(j.model_id == model_id for j in self.held))
 
     def ready(self, model_id: str) -> bool:
         c = self.copies.get(model_id)
@@ -266,14 +278,16 @@ class SimWorker:
 
 
 class Fleet:
-    """The discrete-event model: per model a FIFO of queued jobs and waiting sessions; per worker one
-    job at a time (the oldest queued of its loaded models), its session slots on rung full, and a
-    loader doing its loads and unloads one at a time, in the order sent, beside the jobs."""
+    """The discrete-event model: per model a FIFO of queued jobs and waiting sessions; per worker up
+    to `depth` jobs dispatched to it (the API's JOB_DISPATCH_DEPTH) run one at a time, its session
+    slots on rung full, and a loader doing its loads and unloads one at a time, in the order sent,
+    beside the jobs. A job dispatched behind another waits there even if another copy frees first."""
 
     def __init__(self, specs: Sequence[ModelSpec], n_workers: int, vram_mib: int, rng: random.Random,
                  window: float = PlacementSettings().demand_window_seconds,
-                 burst_window: float = PlacementSettings().burst_window_seconds) -> None:
+                 burst_window: float = PlacementSettings().burst_window_seconds, depth: int = 2) -> None:
         self.specs = {s.model_id: s for s in specs}
+        self.depth = depth  # JOB_DISPATCH_DEPTH: jobs a worker may hold, the one it runs included
         self.installed = tuple(InstalledModel(s.model_id, s.needs_mib, s.step_ms) for s in specs)
         self.rng = rng
         self.now = 0.0
@@ -313,7 +327,7 @@ class Fleet:
         out = []
         for w in self.workers:
             pending = [a for a in w.actions() if a.kind == LOAD]
-            loaded = [LoadedModel(m, c.rung, c.held_mib, (w.job is not None and w.job.model_id == m) or w.live[m] > 0,
+            loaded = [LoadedModel(m, c.rung, c.held_mib, w.busy(m),
                                   self.now if w.live[m] else c.last_used, c.loaded_at) for m, c in w.copies.items()]
             out.append(WorkerState(w.worker_id, self.installed, loaded, w.free_mib(),
                                    [PendingLoad(a.model_id, a.rung or RUNG_FULL) for a in pending],
@@ -321,7 +335,7 @@ class Fleet:
         return out
 
     def load_of(self) -> dict[str, int]:
-        return {w.worker_id: (w.job is not None) + sum(w.live.values()) for w in self.workers}
+        return {w.worker_id: w.holds() + sum(w.live.values()) for w in self.workers}
 
     def has_copy_coming(self, model_id: str) -> bool:
         """A load of `model_id` is queued or under way on some worker."""
@@ -369,18 +383,26 @@ class Fleet:
 
     # work
     def dispatch(self) -> None:
+        """As scheduling.policy.plan_dispatch does it: each queued job (oldest first among the
+        models a worker has ready) goes to the worker holding the fewest jobs, up to `depth` a
+        worker; a worker runs the jobs it holds in the order it got them."""
         for w in self.workers:
-            if w.job is None:
+            if w.job is None and w.held:
+                self.start(w, w.held.popleft())
+        while True:
+            room = sorted((w for w in self.workers if w.holds() < self.depth), key=lambda w: (w.holds(), w.worker_id))
+            for w in room:
                 heads = [q[0] for m, q in self.queued.items() if q and w.ready(m)]
                 if heads:
                     job = min(heads, key=lambda j: j.submitted)
                     self.queued[job.model_id].popleft()
-                    spec, copy = self.specs[job.model_id], w.copies[job.model_id]
-                    seconds = spec.seconds(copy.rung) * (1 + SESSION_SLOWDOWN * sum(w.live.values()))
-                    w.job, copy.last_used, job.rung = job, self.now, copy.rung
-                    self.busy_seconds += seconds
-                    self.copy_busy[(w.worker_id, job.model_id)] += seconds
-                    self.at(self.now + seconds, "job_done", w)
+                    if w.job is None:
+                        self.start(w, job)
+                    else:
+                        w.held.append(job)
+                    break
+            else:
+                break
         for model_id, q in self.waiting.items():
             while q:
                 free = [w for w in self.workers if w.ready(model_id) and w.copies[model_id].rung == RUNG_FULL
@@ -392,6 +414,14 @@ class Fleet:
                 w.live[model_id] += 1
                 self.busy_seconds += s.seconds * SESSION_GPU_SHARE
                 self.at(self.now + s.seconds, "session_end", (w, s))
+
+    def start(self, w: SimWorker, job: Job) -> None:
+        spec, copy = self.specs[job.model_id], w.copies[job.model_id]
+        seconds = spec.seconds(copy.rung) * (1 + SESSION_SLOWDOWN * sum(w.live.values()))
+        w.job, copy.last_used, job.rung = job, self.now, copy.rung
+        self.busy_seconds += seconds
+        self.copy_busy[(w.worker_id, job.model_id)] += seconds
+        self.at(self.now + seconds, "job_done", w)
 
     def run(self, arrivals: Sequence[tuple[float, Job | Session]], policy: Policy, *, duration: float) -> None:
         for t, arrival in arrivals:
@@ -546,7 +576,7 @@ class ModelMesh:
             if (len(copies) <= 2 or f.now - self.heavy_at.get(model_id, -1e9) < MM_HEAVY_MIN_AGE_SECONDS
                     or busy.get(model_id, 0.0) > MM_SCALE_SHARE * 2 / 3 or len(f.queued[model_id]) > 1):
                 continue
-            idle = [w for w in copies if not w.live[model_id] and not (w.job and w.job.model_id == model_id)]
+            idle = [w for w in copies if not w.busy(model_id)]
             if idle:
                 w = min(idle, key=lambda w: (w.copies[model_id].last_used, w.worker_id))
                 f.apply([PlacementAction(UNLOAD, w.worker_id, model_id, None, "modelmesh: scale-down")])
@@ -591,7 +621,7 @@ def replay(name: str, args: argparse.Namespace, settings: PlacementSettings) -> 
     arrivals = trace(rng, specs, duration=args.duration, job_rate=args.job_rate, phase=args.phase,
                      session_rate=args.session_rate, spike_every=args.spike_every)
     fleet = Fleet(specs, args.workers, args.vram_mib, random.Random(args.seed + 1), settings.demand_window_seconds,
-                  settings.burst_window_seconds)
+                  settings.burst_window_seconds, args.dispatch_depth)
     started = time.perf_counter()
     fleet.run(arrivals, POLICIES[name](settings), duration=args.duration)
     jobs = [a for _, a in arrivals if isinstance(a, Job)]
@@ -620,6 +650,8 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=4, help="how many seeds (traces) from --seed on, pooled")
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--models", type=int, default=12)
+    parser.add_argument("--dispatch-depth", type=int, default=2,
+                        help="JOB_DISPATCH_DEPTH: jobs a worker may hold, the one it runs included")
     parser.add_argument("--duration", type=float, default=14_400.0, help="seconds of trace (simulated)")
     parser.add_argument("--vram-mib", default=f"{WORKER_VRAM_MIB},24576",
                         help="each worker's device memory, MiB; several, comma-separated, for one table each")
