@@ -175,9 +175,10 @@ def plan_placement(demand: Iterable[ModelDemand], workers: Iterable[WorkerState]
     share of its worker that other models' recent arrivals leave; the target wait may be counted in
     the model's own job runs (target_wait_jobs); with ModelDemand.recent_steps it also adds a copy
     when a job would find every copy's worker busy more than copy_busy_share of the time (the
-    trend), never on a rung slower than copy_max_step_factor. A session waiting while every full copy's slots
-    are taken gets a full copy at once (on an event too). A load prefers, in order: a rung no slower
-    than copy_max_step_factor, unloads that leave every model a ready copy, the highest rung.
+    trend), never on a rung slower than copy_max_step_factor. A session waiting while every full
+    copy's slots are taken gets a full copy at once (on an event too). A load prefers, in order: a
+    rung no slower than copy_max_step_factor, unloads that leave every model a ready copy, the
+    highest rung.
     With retire_slow_copies (off: beyond the contract) spare copies on slow rungs are unloaded.
 
     Never: past a worker's free memory (pending and planned loads and unloads counted), unloading a
@@ -494,8 +495,8 @@ class _Plan:
         the minimum residency, not the last copy of a model work waits for, and for the periodic rule
         idle for `idle_seconds` with no work waiting for it. For the burst rule also a spare copy
         however recently used (_surplus): a burst cannot wait for a copy to idle; a copy more for a
-        trend or a queue can, and taking spare copies for those too mostly made the copy taken come
-        back later (docs/design/placement.md: a fifth more loads for no fewer late jobs)."""
+        trend or a queue can, and taking spare copies for those too cost a fifth to a quarter more
+        loads for about the same attainment (docs/design/placement.md)."""
         out = []
         for m in w.loaded.values():
             if m.busy or m.model_id in w.untouchable:
