@@ -47,13 +47,14 @@ import random
 import sys
 import time
 from collections import Counter, defaultdict, deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from potocolom.protocol.rungs import RUNG_FULL, RUNGS  # noqa: E402
+from scheduling.policy import QueuedJob, WorkerCapacity, plan_dispatch  # noqa: E402
 from workers.placement import (  # noqa: E402
     LOAD,
     UNLOAD,
@@ -383,26 +384,22 @@ class Fleet:
 
     # work
     def dispatch(self) -> None:
-        """As scheduling.policy.plan_dispatch does it: each queued job (oldest first among the
-        models a worker has ready) goes to the worker holding the fewest jobs, up to `depth` a
-        worker; a worker runs the jobs it holds in the order it got them."""
+        """The API's dispatch decision (scheduling.policy.plan_dispatch) over the models each worker
+        has ready: a job goes to the worker holding the fewest, up to `depth` a worker, and a worker
+        runs the jobs it holds in the order it got them."""
         for w in self.workers:
             if w.job is None and w.held:
                 self.start(w, w.held.popleft())
-        while True:
-            room = sorted((w for w in self.workers if w.holds() < self.depth), key=lambda w: (w.holds(), w.worker_id))
-            for w in room:
-                heads = [q[0] for m, q in self.queued.items() if q and w.ready(m)]
-                if heads:
-                    job = min(heads, key=lambda j: j.submitted)
-                    self.queued[job.model_id].popleft()
-                    if w.job is None:
-                        self.start(w, job)
-                    else:
-                        w.held.append(job)
-                    break
+        by_id = {w.worker_id: w for w in self.workers}
+        queues = _Heads(self.queued)
+        capacities = [WorkerCapacity(w.worker_id, frozenset(m for m in w.copies if w.ready(m)), w.holds(), i)
+                      for i, w in enumerate(self.workers)]
+        for a in plan_dispatch(queues, capacities, depth=self.depth):
+            w, job = by_id[a.worker_id], queues.popped.pop(a.job.job_id)
+            if w.job is None:
+                self.start(w, job)
             else:
-                break
+                w.held.append(job)
         for model_id, q in self.waiting.items():
             while q:
                 free = [w for w in self.workers if w.ready(model_id) and w.copies[model_id].rung == RUNG_FULL
@@ -464,6 +461,26 @@ class Fleet:
             w.copies[s.model_id].last_used = self.now
         elif kind == "loader" and isinstance(what, SimWorker):
             self.loader_done(what)
+
+
+class _Heads:
+    """The bench's per-model FIFOs as the dispatch decision reads queues (scheduling.policy.Heads):
+    the oldest queued job of the models asked for, popped (one account, one priority)."""
+
+    def __init__(self, queued: Mapping[str, deque[Job]]) -> None:
+        self.queued = queued
+        self.popped: dict[str, Job] = {}
+
+    def pop_for(self, model_ids: Iterable[str], *, at_us: int | None = None) -> QueuedJob | None:
+        wanted = set(model_ids)
+        heads = [q[0] for m, q in self.queued.items() if q and m in wanted]
+        if not heads:
+            return None
+        job = min(heads, key=lambda j: j.submitted)
+        self.queued[job.model_id].popleft()
+        job_id = str(id(job))  # unique while the trace holds the job
+        self.popped[job_id] = job
+        return QueuedJob(job_id, job.model_id, 0, int(job.submitted * 1e6))
 
 
 # --- the policies ----------------------------------------------------------------------------
