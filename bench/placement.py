@@ -31,7 +31,8 @@ rule 2: for information). The API is modelled as feeding the planner each model'
 (ModelDemand.recent_steps over demand_window_seconds, burst_steps over burst_window_seconds) on
 every arrival and every PLACEMENT_SECONDS, and as dispatching jobs the way it does
 (scheduling.policy.plan_dispatch: to the worker holding the fewest, up to JOB_DISPATCH_DEPTH, 2,
-a worker, so a job may wait on one worker while another copy frees; --dispatch-depth). It prints
+a worker; --dispatch-depth), and as moving a job held behind another to a worker that holds none
+(scheduling.policy.plan_moves, MOVE_SECONDS later; --no-moves leaves it waiting there). It prints
 the trace's offered load against the fleet's capacity, and counts the late jobs by what they met
 first (no copy when they came, a queue, a slower rung: group offload's step is 3.7x full's, so a
 job there misses a 3x budget by itself).
@@ -54,7 +55,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from potocolom.protocol.rungs import RUNG_FULL, RUNGS  # noqa: E402
-from scheduling.policy import QueuedJob, WorkerCapacity, plan_dispatch  # noqa: E402
+from scheduling.policy import HeldJob, Holding, QueuedJob, WorkerCapacity, plan_dispatch, plan_moves  # noqa: E402
 from workers.placement import (  # noqa: E402
     LOAD,
     UNLOAD,
@@ -101,6 +102,9 @@ DRAIN_SECONDS = 900.0  # after the trace ends, time for queued work to finish; w
 PLACEMENT_SECONDS = 10.0
 SPIKE_LOAD = 1.0  # a spike's extra jobs keep one copy on rung full busy all the time (its jobs back to back)
 SPIKE_SECONDS = 120.0
+# A move (plan_moves): `preempt` to the worker holding the job, its `job_preempted`, the database
+# writes and the `job` order to the idle worker: a few round trips on a LAN, rounded up.
+MOVE_SECONDS = 0.05
 
 
 @dataclass(frozen=True)
@@ -254,6 +258,7 @@ class SimWorker:
     loader: PlacementAction | None = None  # the load or unload under way
     job: Job | None = None
     held: deque[Job] = field(default_factory=deque)  # dispatched to it, waiting for `job` to end
+    incoming: list[Job] = field(default_factory=list)  # moved to it (plan_moves), on their way
     live: Counter[str] = field(default_factory=Counter)  # model_id -> live sessions
     failed_loads: dict[str, float] = field(default_factory=dict)
 
@@ -262,12 +267,12 @@ class SimWorker:
 
     def holds(self) -> int:
         """The jobs counted against its dispatch depth: the one it runs and those it holds."""
-        return (self.job is not None) + len(self.held)
+        return (self.job is not None) + len(self.held) + len(self.incoming)
 
     def busy(self, model_id: str) -> bool:
         """A job or a live session of `model_id` is on it (the planner never unloads it then)."""
         return (self.live[model_id] > 0 or (self.job is not None and self.job.model_id == model_id)
-                or any(j.model_id == model_id for j in self.held))
+                or any(j.model_id == model_id for j in self.held) or any(j.model_id == model_id for j in self.incoming))
 
     def ready(self, model_id: str) -> bool:
         c = self.copies.get(model_id)
@@ -286,9 +291,12 @@ class Fleet:
 
     def __init__(self, specs: Sequence[ModelSpec], n_workers: int, vram_mib: int, rng: random.Random,
                  window: float = PlacementSettings().demand_window_seconds,
-                 burst_window: float = PlacementSettings().burst_window_seconds, depth: int = 2) -> None:
+                 burst_window: float = PlacementSettings().burst_window_seconds, depth: int = 2,
+                 moves: bool = True) -> None:
         self.specs = {s.model_id: s for s in specs}
         self.depth = depth  # JOB_DISPATCH_DEPTH: jobs a worker may hold, the one it runs included
+        self.moves = moves  # the API's rebalance (plan_moves)
+        self.moved = 0
         self.installed = tuple(InstalledModel(s.model_id, s.needs_mib, s.step_ms) for s in specs)
         self.rng = rng
         self.now = 0.0
@@ -400,6 +408,8 @@ class Fleet:
                 self.start(w, job)
             else:
                 w.held.append(job)
+        if self.moves:
+            self.move_waiting_jobs()
         for model_id, q in self.waiting.items():
             while q:
                 free = [w for w in self.workers if w.ready(model_id) and w.copies[model_id].rung == RUNG_FULL
@@ -411,6 +421,27 @@ class Fleet:
                 w.live[model_id] += 1
                 self.busy_seconds += s.seconds * SESSION_GPU_SHARE
                 self.at(self.now + s.seconds, "session_end", (w, s))
+
+    def move_waiting_jobs(self) -> None:
+        """The API's rebalance (scheduling.policy.plan_moves): a worker holding nothing takes back a
+        job held on another worker behind that worker's own job; it is its own MOVE_SECONDS later
+        (preempt, the answer, the job order)."""
+        by_id = {w.worker_id: w for w in self.workers}
+        jobs: dict[str, Job] = {}
+
+        def held(job: Job, started: bool) -> HeldJob:
+            jobs[str(id(job))] = job
+            return HeldJob(QueuedJob(str(id(job)), job.model_id, 0, int(job.submitted * 1e6)), started)
+
+        holdings = [Holding(w.worker_id, frozenset(m for m in w.copies if w.ready(m)), w.holds(),
+                            tuple([held(w.job, True)] if w.job else []) + tuple(held(j, False) for j in w.held), i)
+                    for i, w in enumerate(self.workers)]
+        for move in plan_moves(holdings):
+            job, thief = jobs[move.job_id], by_id[move.to_worker_id]
+            by_id[move.worker_id].held.remove(job)
+            thief.incoming.append(job)
+            self.moved += 1
+            self.at(self.now + MOVE_SECONDS, "moved", (thief, job))
 
     def start(self, w: SimWorker, job: Job) -> None:
         spec, copy = self.specs[job.model_id], w.copies[job.model_id]
@@ -459,6 +490,16 @@ class Fleet:
             w, s = what
             w.live[s.model_id] -= 1
             w.copies[s.model_id].last_used = self.now
+        elif kind == "moved" and isinstance(what, tuple):
+            thief, job = what
+            thief.incoming.remove(job)
+            if thief.ready(job.model_id) and thief.holds() < self.depth:
+                if thief.job is None:
+                    self.start(thief, job)
+                else:
+                    thief.held.append(job)
+            else:  # back at its place: it was dispatched before every job still queued for its model
+                self.queued[job.model_id].appendleft(job)
         elif kind == "loader" and isinstance(what, SimWorker):
             self.loader_done(what)
 
@@ -638,7 +679,7 @@ def replay(name: str, args: argparse.Namespace, settings: PlacementSettings) -> 
     arrivals = trace(rng, specs, duration=args.duration, job_rate=args.job_rate, phase=args.phase,
                      session_rate=args.session_rate, spike_every=args.spike_every)
     fleet = Fleet(specs, args.workers, args.vram_mib, random.Random(args.seed + 1), settings.demand_window_seconds,
-                  settings.burst_window_seconds, args.dispatch_depth)
+                  settings.burst_window_seconds, args.dispatch_depth, args.moves)
     started = time.perf_counter()
     fleet.run(arrivals, POLICIES[name](settings), duration=args.duration)
     jobs = [a for _, a in arrivals if isinstance(a, Job)]
@@ -669,6 +710,8 @@ def main() -> None:
     parser.add_argument("--models", type=int, default=12)
     parser.add_argument("--dispatch-depth", type=int, default=2,
                         help="JOB_DISPATCH_DEPTH: jobs a worker may hold, the one it runs included")
+    parser.add_argument("--moves", action=argparse.BooleanOptionalAction, default=True,
+                        help="the API's rebalance: an idle worker takes back a job held behind another (plan_moves)")
     parser.add_argument("--duration", type=float, default=14_400.0, help="seconds of trace (simulated)")
     parser.add_argument("--vram-mib", default=f"{WORKER_VRAM_MIB},24576",
                         help="each worker's device memory, MiB; several, comma-separated, for one table each")

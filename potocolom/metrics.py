@@ -7,8 +7,8 @@ from typing import Literal
 
 from prometheus_client import Counter, Histogram
 
-PreemptionReason = Literal["pause", "drain", "priority"]
-PREEMPTION_REASONS: tuple[PreemptionReason, ...] = ("pause", "drain", "priority")
+PreemptionReason = Literal["pause", "drain", "priority", "move"]
+PREEMPTION_REASONS: tuple[PreemptionReason, ...] = ("pause", "drain", "priority", "move")
 ModelLoadOutcome = Literal["loaded", "failed"]
 
 # Submission to dispatch: from well under a second (a free worker) to the queue's worst hours.

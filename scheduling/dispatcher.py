@@ -22,11 +22,13 @@ from scheduling.policy import (
     Assignment,
     HeldJob,
     Holding,
+    Move,
     Preemption,
     QueuedJob,
     Turn,
     WorkerCapacity,
     plan_dispatch,
+    plan_moves,
     plan_preemptions,
 )
 from scheduling.queues import JobQueues
@@ -61,12 +63,13 @@ class ConnectedWorker:
         self.started.discard(job_id)
         self.preempting.discard(job_id)
 
-    def holding(self) -> Holding:
-        """What the priority preemption reads of it: a v2 worker's held jobs, less those leaving."""
+    def holding(self, incoming: int = 0) -> Holding:
+        """What the preemptions read of it: a v2 worker's held jobs, less those leaving, in the
+        order it got them; `incoming`: jobs moving to it, counted as held."""
         leaving = self.letting_go | self.preempting
         preemptible = tuple(HeldJob(key, job_id in self.started) for job_id, key in self.keys.items()
                             if job_id in self.held and job_id not in leaving) if self.protocol >= 2 else ()
-        return Holding(self.worker_id, self.models, len(self.held), preemptible, self.joined)
+        return Holding(self.worker_id, self.models, len(self.held) + incoming, preemptible, self.joined)
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,9 @@ class Dispatcher:
         # A waiting job -> the worker asked to give back one of its account's jobs to make it room:
         # the next dispatch sends it there first (while it is still queued).
         self.reserved: dict[str, str] = {}
+        # A job asked back from the worker it waited on (policy.plan_moves) -> (that worker, the idle
+        # worker it goes to once back in the queue, which counts it as held meanwhile).
+        self.moving: dict[str, tuple[str, str]] = {}
 
     @property
     def shared(self) -> bool:
@@ -169,6 +175,7 @@ class Dispatcher:
                 return None
             del self.workers[worker_id]
             self.reserved = {job: at for job, at in self.reserved.items() if at != worker_id}
+            self.moving = {job: ends for job, ends in self.moving.items() if worker_id not in ends}
             return worker.held
 
     def drain(self, *, worker_id: str, channel_name: str) -> bool:
@@ -297,9 +304,10 @@ class Dispatcher:
         A job whose claim fails (cancelled meanwhile) is dropped from the plan and planning goes on.
         """
         with self.lock:
-            done = self._serve_reserved(claim)
+            done = self._serve_reserved(claim) + self._serve_moved(claim)
             while True:
-                capacities = [WorkerCapacity(w.worker_id, w.models, len(w.held), w.joined)
+                incoming = self._incoming()
+                capacities = [WorkerCapacity(w.worker_id, w.models, len(w.held) + incoming[w.worker_id], w.joined)
                               for w in self.workers.values() if not w.draining]
                 start = None if at_us is None else max(at_us, self._turn_clock_us + 1)
                 planned = plan_dispatch(self.queues, capacities, depth=self.depth, at_us=start)
@@ -341,6 +349,61 @@ class Dispatcher:
                 self._hold(assignment)
                 done.append(assignment)
         return done
+
+    def _incoming(self) -> dict[str, int]:
+        """Under the lock: per connected worker, the jobs moving to it."""
+        counts = dict.fromkeys(self.workers, 0)
+        for _, to_worker in self.moving.values():
+            if to_worker in counts:
+                counts[to_worker] += 1
+        return counts
+
+    def _serve_moved(self, claim: Callable[[Assignment], bool]) -> list[Assignment]:
+        """Under the lock: each moving job back in the queue goes to the idle worker it was asked
+        back for, if that worker still serves its model and has room (else the queue decides); a
+        move ends when served, or when its job is neither queued nor still on the worker it left
+        (it ended there, or was cancelled or paused)."""
+        done: list[Assignment] = []
+        for job_id, (from_worker, to_worker) in list(self.moving.items()):
+            source = self.workers.get(from_worker)
+            if source is not None and job_id in source.held:
+                continue  # not given back yet
+            del self.moving[job_id]
+            worker = self.workers.get(to_worker)
+            if worker is None or worker.draining or len(worker.held) >= self.depth:
+                continue
+            job = self.queues.remove(job_id)
+            if job is None:
+                continue
+            assignment = Assignment(job, to_worker)
+            if job.model_id not in worker.models or not claim(assignment):
+                self.queues.push(job)
+                continue
+            self._hold(assignment)
+            done.append(assignment)
+        return done
+
+    def moves(self) -> list[tuple[Move, str]]:
+        """The rebalance (policy.plan_moves) on this process's workers, recorded: each job to take
+        back leaves the candidates, and its idle worker counts it as held until it is dispatched
+        there. Each move with the channel to send `preempt` to."""
+        with self.lock:
+            incoming = self._incoming()
+            if not any(len(w.held) + incoming[w.worker_id] == 0 for w in self.workers.values() if not w.draining):
+                return []  # the common case on the submit path: no worker is idle
+            workers = [w.holding(incoming[w.worker_id]) for w in self.workers.values() if not w.draining]
+            out = []
+            for move in plan_moves(workers):
+                source = self.workers[move.worker_id]
+                source.preempting.add(move.job_id)
+                self.moving[move.job_id] = (move.worker_id, move.to_worker_id)
+                out.append((move, source.channel_name))
+            return out
+
+    def is_moving(self, job_id: str) -> bool:
+        """Whether the job was asked back to move to an idle worker (the preemption's reason)."""
+        with self.lock:
+            return job_id in self.moving
 
     def preemptions_for(self, waiting: Iterable[QueuedJob]) -> list[Preemption]:
         """The priority preemptions (policy.plan_preemptions) that would make room for these

@@ -199,6 +199,51 @@ def plan_preemptions(waiting: Iterable[QueuedJob], workers: Sequence[Holding], *
     return preemptions
 
 
+class Move(NamedTuple):
+    """Take `job_id` back from `worker_id`, where it waits behind another job, so that it goes to
+    `to_worker_id`, which holds nothing and serves its model."""
+
+    worker_id: str
+    job_id: str
+    to_worker_id: str
+
+
+def plan_moves(workers: Sequence[Holding]) -> list[Move]:
+    """The API's rebalance (docs/protocol.md, "Moving a waiting job"): a worker that holds no job
+    takes back, for itself, a job that waits on another worker behind that worker's own work: held
+    there, not started, while that worker holds another job (one it runs, or, when none has started
+    yet, the one it got first, which it runs next). A job dispatched ahead of time (the dispatch
+    depth) then never waits for a busy worker while a copy of its model stands idle, whether the
+    idle one finished early, connected, or just loaded the model.
+
+    Idle workers take in the order they joined, each one job: the first in line order (highest
+    priority, then submitted first) of those it could run. Each job moves once, and a worker gives
+    back jobs only while it keeps one. `workers`: those taking new work, each `preemptible` in the
+    order the worker got them."""
+    idle = sorted((w for w in workers if w.held == 0), key=lambda w: w.joined)
+    if not idle:
+        return []
+    waiting: dict[str, list[HeldJob]] = {}
+    left = {w.worker_id: w.held for w in workers}
+    for worker in workers:
+        if worker.held < 2:
+            continue
+        first = worker.preemptible[:1] if worker.held == len(worker.preemptible) and not any(
+            h.started for h in worker.preemptible) else ()
+        waiting[worker.worker_id] = [h for h in worker.preemptible if not h.started and h not in first]
+    moves: list[Move] = []
+    for thief in idle:
+        choices = [(h.job.key, worker_id, h) for worker_id, jobs in waiting.items() for h in jobs
+                   if h.job.model_id in thief.models and left[worker_id] >= 2]
+        if not choices:
+            continue
+        _, worker_id, taken = min(choices)
+        waiting[worker_id].remove(taken)
+        left[worker_id] -= 1
+        moves.append(Move(worker_id, taken.job.job_id, thief.worker_id))
+    return moves
+
+
 def retry_decision(*, attempts: int) -> str:
     """What happens to a job whose worker died: 'requeue' on its first attempt, else 'fail'."""
     return "requeue" if attempts < 2 else "fail"

@@ -1,6 +1,7 @@
 """Handing queued jobs to workers: the claim (compare-and-set), the `job` order each worker's protocol
-reads, the wake-ups of the other API processes, and the priority preemption that makes room. The
-story: docs/protocol.md, "Fair share" and "Priority preemption"."""
+reads, the wake-ups of the other API processes, the priority preemption that makes room, and the
+moves of waiting jobs to idle workers. The story: docs/protocol.md, "Fair share", "Priority
+preemption" and "Moving a waiting job"."""
 from __future__ import annotations
 
 import base64
@@ -121,7 +122,9 @@ def jobs_dispatch(*, now: datetime) -> list[Assignment]:
         return True
 
     try:
-        return current.plan(claim, at_us=to_microseconds(now))
+        assignments = current.plan(claim, at_us=to_microseconds(now))
+        _send_moves(current)
+        return assignments
     finally:
         # Built once plan() let go of the dispatcher's lock: a resume reads its checkpoint from the
         # storage. Every job claimed is sent, even when the plan stopped half way.
@@ -182,6 +185,16 @@ def jobs_make_room(waiting: Collection[QueuedJob], *, now: datetime) -> list[Que
         served = {p.for_job_id for p in planned if p.for_job_id in queued and _send_preempt(current, p)}
         return [job for job in waiting if job.job_id not in served]
     return list(waiting)
+
+
+def _send_moves(current: Dispatcher) -> None:
+    """The rebalance: a job held behind another job on a busy worker, while a worker that serves
+    its model holds nothing, is asked back (`preempt`: at once, as it has not started) and goes to
+    the idle worker when its worker answers (policy.plan_moves)."""
+    for move, channel in current.moves():
+        log.info("job %s asked back from %s, where it waits behind another job, for %s, which is idle",
+                 move.job_id, move.worker_id, move.to_worker_id)
+        to_socket_after_commit(channel, Preempt(move.job_id).to_wire())
 
 
 def _send_preempt(current: Dispatcher, preemption: Preemption) -> bool:

@@ -221,7 +221,8 @@ def job_preempted(*, worker_id: str, job_id: str, step: int, steps: int, checkpo
     current = dispatcher()
     holder = current.workers.get(worker_id)
     metrics.job_preempted(reason="pause" if back == JobState.PAUSED
-                          else "drain" if holder is not None and holder.draining else "priority")
+                          else "drain" if holder is not None and holder.draining
+                          else "move" if current.is_moving(job_id) else "priority")
     current.release(job_id, worker_id=worker_id)
     if back == JobState.QUEUED:
         current.push(queued_job(job))

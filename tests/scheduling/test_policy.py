@@ -11,11 +11,13 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invaria
 from scheduling.policy import (
     HeldJob,
     Holding,
+    Move,
     Preemption,
     QueuedJob,
     Turn,
     WorkerCapacity,
     plan_dispatch,
+    plan_moves,
     plan_preemptions,
     retry_decision,
 )
@@ -572,6 +574,82 @@ def test_a_preemption_only_ever_gives_an_account_s_place_to_its_own_more_urgent_
         assert given_back.job.priority < job.priority
         serving = [w for w in workers if job.model_id in w.models]
         assert all(w.held >= depth for w in serving), "preempted while a worker had room"
+
+
+# --- plan_moves ----------------------------------------------------------------------------------
+
+MOVE_CASES = [
+    pytest.param([holding("busy", held("a1"), held("a2", at=2, started=False)), holding("idle", joined=1)],
+                 [Move("busy", "a2", "idle")], id="a job waiting behind another moves to an idle worker"),
+    pytest.param([holding("busy", held("a1"), held("a2", at=2, started=False)), holding("idle", models="other",
+                                                                                        joined=1)],
+                 [], id="not to an idle worker that does not serve its model"),
+    pytest.param([holding("busy", held("a1"), held("a2", at=2, started=False)),
+                  holding("other", held("b1", account="bob"), joined=1)],
+                 [], id="no worker is idle: nothing moves"),
+    pytest.param([holding("busy", held("a1"), held("a2", at=2)), holding("idle", joined=1)],
+                 [], id="a job that has begun stays (its steps are done there)"),
+    pytest.param([holding("w", held("a1", started=False)), holding("idle", joined=1)],
+                 [], id="a worker's only job stays: it runs it now"),
+    pytest.param([holding("w", held("a1", at=1, started=False), held("a2", at=2, started=False)),
+                  holding("idle", joined=1)],
+                 [Move("w", "a2", "idle")], id="neither begun: the one it got first stays, it runs that next"),
+    pytest.param([holding("w", held("a2", at=2, started=False), held("a1", at=1, started=False)),
+                  holding("idle", joined=1)],
+                 [Move("w", "a1", "idle")], id="the one it got first stays, whatever their order in line"),
+    pytest.param([holding("w", held("a2", at=2, started=False), held_count=2), holding("idle", joined=1)],
+                 [Move("w", "a2", "idle")], id="the job it runs is leaving (cancelled): the other still waits"),
+    pytest.param([holding("w1", held("a1"), held("late", at=9, started=False), joined=0),
+                  holding("w2", held("b1", account="bob"), held("early", at=3, started=False, account="bob"),
+                          joined=1),
+                  holding("idle", joined=2)],
+                 [Move("w2", "early", "idle")], id="of several, the first in line order"),
+    pytest.param([holding("w1", held("a1"), held("low", at=1, started=False), joined=0),
+                  holding("w2", held("b1"), held("high", priority=5, at=9, started=False), joined=1),
+                  holding("idle", joined=2)],
+                 [Move("w2", "high", "idle")], id="a higher priority first"),
+    pytest.param([holding("w", held("a1"), held("a2", at=2, started=False), held("a3", at=3, started=False)),
+                  holding("idle1", joined=1), holding("idle2", joined=2)],
+                 [Move("w", "a2", "idle1"), Move("w", "a3", "idle2")],
+                 id="two idle workers take one each, in the order they joined"),
+    pytest.param([holding("w", held("a1"), held("a2", at=2, started=False)),
+                  holding("idle1", joined=1), holding("idle2", joined=2)],
+                 [Move("w", "a2", "idle1")], id="one waiting job moves once"),
+    pytest.param([holding("w", held("a1", model="x"), held("a2", model="y", at=2, started=False), models={"x", "y"}),
+                  holding("idle-x", models="x", joined=1), holding("idle-y", models="y", joined=2)],
+                 [Move("w", "a2", "idle-y")], id="an idle worker takes only what it serves"),
+    pytest.param([holding("w", held("a1"), held("a2", at=2, started=False)), holding("coming", held_count=1,
+                                                                                     joined=1)],
+                 [], id="a worker with a job on its way to it is not idle"),
+]
+
+
+@pytest.mark.parametrize(("workers", "expected"), MOVE_CASES)
+def test_it_moves_a_job_waiting_behind_another_to_an_idle_worker(workers, expected):
+    assert plan_moves(workers) == expected
+
+
+@given(preemption_situations())
+@settings(max_examples=300, deadline=None)
+def test_a_move_only_ever_takes_a_waiting_job_to_an_idle_worker_that_serves_it(situation):
+    _, workers, _ = situation
+    by_job = {h.job.job_id: (w, h) for w in workers for h in w.preemptible}
+    by_worker = {w.worker_id: w for w in workers}
+
+    moves = plan_moves(workers)
+
+    assert len({m.job_id for m in moves}) == len(moves), "a job moved twice"
+    assert len({m.to_worker_id for m in moves}) == len(moves), "an idle worker given two jobs"
+    given_back: dict[str, int] = {}
+    for move in moves:
+        worker, job = by_job[move.job_id]
+        thief = by_worker[move.to_worker_id]
+        assert worker.worker_id == move.worker_id != move.to_worker_id
+        assert thief.held == 0 and job.job.model_id in thief.models
+        assert not job.started, "a job that has begun was moved"
+        given_back[worker.worker_id] = given_back.get(worker.worker_id, 0) + 1
+    for worker_id, count in given_back.items():
+        assert by_worker[worker_id].held - count >= 1, "a worker gave back every job it held"
 
 
 # --- retry_decision -----------------------------------------------------------------------------

@@ -147,7 +147,7 @@ def test_the_model_load_series_are_declared_before_any_load(olga):
     assert metrics.families["potocolom_model_loads"].type == "counter"
     assert metrics.families["potocolom_model_load_seconds"].type == "histogram"
     assert {sample.labels["reason"] for sample in metrics.families["potocolom_preemptions"].samples
-            if sample.name == "potocolom_preemptions_total"} == {"pause", "drain", "priority"}
+            if sample.name == "potocolom_preemptions_total"} == {"pause", "drain", "priority", "move"}
 
 
 async def test_a_connected_worker_is_counted_and_its_dispatches_count_in_the_job_wait_histogram(
@@ -252,6 +252,24 @@ async def test_a_job_given_back_for_an_urgent_one_counts_as_a_priority_preemptio
 
     after = {reason: await preemptions(olga, reason) for reason in ("pause", "drain", "priority")}
     assert after == {**before, "priority": before["priority"] + 1}
+
+
+async def test_a_job_moved_to_an_idle_worker_counts_as_a_move(alice, olga, v2_workers):
+    ids = await submit_jobs(alice, 2)
+    busy = v2_workers("host-a:0")
+    await busy.join(["tiny-a"])
+    await busy.jobs(2)
+    await busy.started(ids[0])
+    assert await eventually(lambda: _running(ids[0]))
+    before = {reason: await preemptions(olga, reason) for reason in ("pause", "drain", "priority", "move")}
+
+    await v2_workers("host-b:0").join(["tiny-a"])
+    assert await busy.receive() == {"type": "preempt", "job_id": ids[1]}
+    await busy.send({**preempted(ids[1], 0), "checkpoint": None})
+    assert await busy.receive() == {"type": "job_ack", "job_id": ids[1]}
+
+    after = {reason: await preemptions(olga, reason) for reason in ("pause", "drain", "priority", "move")}
+    assert after == {**before, "move": before["move"] + 1}
 
 
 # --- realtime: slots, sessions, frame round trips ---------------------------------------------------

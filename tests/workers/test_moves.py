@@ -1,0 +1,129 @@
+"""Moving a waiting job, on the worker socket: a job held behind another job on a busy worker is
+asked back (`preempt`) when a worker serving its model holds nothing, and goes to that worker once
+the busy one answers; a job that has begun, a worker's only job, and a v1 worker's jobs stay."""
+from __future__ import annotations
+
+import base64
+
+import pytest
+
+from tests.helpers import eventually, job_row, submit_jobs, tiny_png
+
+pytestmark = pytest.mark.django_db(transaction=True)
+PNG_B64 = base64.b64encode(tiny_png()).decode()
+
+
+def given_back(job_id: str) -> dict:
+    return {"type": "job_preempted", "job_id": job_id, "step": 0, "steps": 10, "checkpoint": None}
+
+
+async def running(job_id: str) -> bool:
+    return (await job_row(job_id))["state"] == "running"
+
+
+async def busy_with_two(account, worker) -> list[str]:
+    """`account` submits two jobs; the worker (depth 2) gets both and starts the first."""
+    ids = await submit_jobs(account, 2)
+    await worker.join(["tiny-a"])
+    assert [m["job_id"] for m in await worker.jobs(2)] == ids
+    await worker.started(ids[0])
+    assert await eventually(lambda: running(ids[0]))
+    return ids
+
+
+async def test_a_job_waiting_behind_another_moves_to_a_worker_that_connects_idle(alice, v2_workers):
+    busy = v2_workers("host-a:0")
+    ids = await busy_with_two(alice, busy)
+
+    idle = v2_workers("host-b:0")
+    await idle.join(["tiny-a"])
+
+    assert await busy.receive() == {"type": "preempt", "job_id": ids[1]}
+    assert await idle.silent(), "the job goes nowhere before its worker lets it go"
+    await busy.send(given_back(ids[1]))
+    assert await busy.receive() == {"type": "job_ack", "job_id": ids[1]}
+    order, = await idle.jobs(1)
+    assert order["job_id"] == ids[1]
+    row = await job_row(ids[1])
+    assert (row["state"], row["worker_id"], row["attempts"], row["preemptions"]) == ("dispatched", "host-b:0", 1, 1)
+    assert (await job_row(ids[0]))["worker_id"] == "host-a:0"
+
+
+async def test_a_worker_that_finishes_its_job_takes_the_one_waiting_on_another(alice, v2_workers):
+    first = v2_workers("host-a:0")
+    job_a, = await submit_jobs(alice, 1)
+    await first.join(["tiny-a"])
+    await first.jobs(1)
+    second = v2_workers("host-b:0")
+    await second.join(["tiny-a"])
+    job_b, job_c = await submit_jobs(alice, 2)
+    await second.jobs(1)
+    assert (await first.jobs(1))[0]["job_id"] == job_c, "each worker holds two"
+    await first.started(job_a)
+    await second.started(job_b)
+    assert await eventually(lambda: running(job_a))
+
+    await second.result(job_b, [PNG_B64])
+
+    assert await second.receive() == {"type": "job_ack", "job_id": job_b}
+    assert await first.receive() == {"type": "preempt", "job_id": job_c}
+    await first.send(given_back(job_c))
+    assert await first.receive() == {"type": "job_ack", "job_id": job_c}
+    assert (await second.jobs(1))[0]["job_id"] == job_c
+
+
+async def test_a_job_that_has_begun_is_not_moved(alice, v2_workers):
+    busy = v2_workers("host-a:0")
+    ids = await busy_with_two(alice, busy)
+    await busy.started(ids[1])  # the worker interleaves both (within an account, by priority)
+    assert await eventually(lambda: running(ids[1]))
+
+    await v2_workers("host-b:0").join(["tiny-a"])
+
+    assert await busy.silent()
+
+
+async def test_a_worker_s_only_job_is_not_moved(alice, v2_workers):
+    busy = v2_workers("host-a:0")
+    job_id, = await submit_jobs(alice, 1)
+    await busy.join(["tiny-a"])
+    await busy.jobs(1)
+
+    await v2_workers("host-b:0").join(["tiny-a"])
+
+    assert await busy.silent()
+
+
+async def test_no_job_moves_to_an_idle_worker_that_does_not_serve_its_model(alice, v2_workers):
+    busy = v2_workers("host-a:0")
+    await busy_with_two(alice, busy)
+
+    await v2_workers("host-b:0").join(["tiny-b"])
+
+    assert await busy.silent()
+
+
+async def test_a_v1_worker_is_never_asked_to_give_a_job_back(alice, workers, v2_workers):
+    busy = workers("host-a:0")
+    ids = await submit_jobs(alice, 2)
+    await busy.join(["tiny-a"])
+    await busy.jobs(2)
+
+    await v2_workers("host-b:0").join(["tiny-a"])
+
+    assert await busy.silent()
+    assert (await job_row(ids[1]))["worker_id"] == "host-a:0"
+
+
+async def test_a_moving_job_that_ends_where_it_was_leaves_the_idle_worker_free_for_the_queue(alice, v2_workers):
+    busy = v2_workers("host-a:0")
+    ids = await busy_with_two(alice, busy)
+    idle = v2_workers("host-b:0")
+    await idle.join(["tiny-a"])
+    assert await busy.receive() == {"type": "preempt", "job_id": ids[1]}
+
+    await busy.result(ids[1], [PNG_B64])  # it had begun and finished before the preempt arrived
+    assert await busy.receive() == {"type": "job_ack", "job_id": ids[1]}
+    later, = await submit_jobs(alice, 1)
+
+    assert (await idle.jobs(1))[0]["job_id"] == later
