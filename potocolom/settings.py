@@ -116,6 +116,10 @@ PLACEMENT_TARGET_WAIT_JOBS = envfloat("PLACEMENT_TARGET_WAIT_JOBS", 0.0, minimum
 PLACEMENT_COPY_BUSY_SHARE = envfloat("PLACEMENT_COPY_BUSY_SHARE", 0.2, minimum=-1e-9, maximum=1.0)
 PLACEMENT_BURST_WINDOW_SECONDS = envfloat("PLACEMENT_BURST_WINDOW_SECONDS", 10.0)
 PLACEMENT_BURST_BUSY_SHARE = envfloat("PLACEMENT_BURST_BUSY_SHARE", 0.8, minimum=-1e-9, maximum=1.0)
+# ... and unloading spare copies on a rung more than twice as slow as full (group offload) while a
+# full copy elsewhere carries their model's work: a job sent there is late by itself (off: rule 2
+# unloads only for another model's memory).
+PLACEMENT_RETIRE_SLOW_COPIES = envbool("PLACEMENT_RETIRE_SLOW_COPIES", False)
 MEMORY_MODE = envstr("MEMORY_MODE", "auto")
 if MEMORY_MODE not in MEMORY_MODES:
     raise ImproperlyConfigured(f"MEMORY_MODE must be one of {', '.join(MEMORY_MODES)}, got {MEMORY_MODE!r}")

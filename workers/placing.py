@@ -53,7 +53,8 @@ def placement_settings() -> PlacementSettings:
                              target_wait_jobs=settings.PLACEMENT_TARGET_WAIT_JOBS,
                              copy_busy_share=settings.PLACEMENT_COPY_BUSY_SHARE,
                              burst_window_seconds=settings.PLACEMENT_BURST_WINDOW_SECONDS,
-                             burst_busy_share=settings.PLACEMENT_BURST_BUSY_SHARE)
+                             burst_busy_share=settings.PLACEMENT_BURST_BUSY_SHARE,
+                             retire_slow_copies=settings.PLACEMENT_RETIRE_SLOW_COPIES)
 
 
 @contextlib.contextmanager

@@ -42,9 +42,10 @@ def installed(*model_ids: str) -> list[dict[str, Any]]:
 class PlacingWorker(V2Worker):
     """A v2 worker that says what it has installed and how much memory is free."""
 
-    async def arrive(self, loaded: list[str], installs: list[str], free_mib: int | None) -> None:
+    async def arrive(self, loaded: list[str], installs: list[str], free_mib: int | None, *,
+                     rungs: dict[str, str] | None = None) -> None:
         await self.connect()
-        message = {**hello_v2(self.worker_id, []), "models": [entry(m) for m in loaded],
+        message = {**hello_v2(self.worker_id, []), "models": [entry(m, (rungs or {}).get(m, "full")) for m in loaded],
                    "installed": installed(*installs), "gpu": None if free_mib is None else gpu(free_mib)}
         await self.send(message)
         assert (await self.receive())["type"] == "welcome"
@@ -258,6 +259,24 @@ async def test_a_burst_of_jobs_gets_another_copy_at_once_on_an_event(alice, plac
     reason = await database_sync_to_async(lambda: PlacementRecord.objects.get().reason)()
     assert reason.startswith("load: a burst: 600 steps came in the last 10 s")
     assert await plan() == []  # one copy at a time: the next waits for this one
+
+
+@pytest.mark.parametrize(("retire", "expected"), [(True, [("unload", "host-b:0", "tiny-a")]), (False, [])])
+async def test_a_spare_copy_on_group_offload_is_unloaded_only_with_placement_retire_slow_copies(
+        placing_workers, settings, retire, expected):
+    from workers.models import PlacementRecord
+
+    settings.PLACEMENT_RETIRE_SLOW_COPIES = retire
+    fast, slow = placing_workers("host-a:0"), placing_workers("host-b:0")
+    await fast.arrive(["tiny-a"], ["tiny-a"], free_mib=400)
+    await slow.arrive(["tiny-a"], ["tiny-a"], free_mib=850, rungs={"tiny-a": "group_offload"})
+
+    assert await plan(periodic=True) == expected
+    if retire:
+        assert await slow.receive() == {"type": "unload_model", "model_id": "tiny-a"}
+        reason = await database_sync_to_async(lambda: PlacementRecord.objects.get().reason)()
+        assert reason.startswith("unload: a spare copy on group_offload, slower than a full copy elsewhere")
+    assert await fast.silent()
 
 
 async def test_the_burst_rule_can_be_turned_off(alice, placing_workers, settings):
