@@ -434,7 +434,8 @@ class Fleet:
             return HeldJob(QueuedJob(str(id(job)), job.model_id, 0, int(job.submitted * 1e6)), started)
 
         holdings = [Holding(w.worker_id, frozenset(m for m in w.copies if w.ready(m)), w.holds(),
-                            tuple([held(w.job, True)] if w.job else []) + tuple(held(j, False) for j in w.held), i)
+                            tuple([held(w.job, True)] if w.job else []) + tuple(held(j, False) for j in w.held), i,
+                            {m: c.rung for m, c in w.copies.items()})
                     for i, w in enumerate(self.workers)]
         for move in plan_moves(holdings):
             job, thief = jobs[move.job_id], by_id[move.to_worker_id]

@@ -8,7 +8,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
@@ -54,6 +54,7 @@ class ConnectedWorker:
     keys: dict[str, QueuedJob] = field(default_factory=dict)
     started: set[str] = field(default_factory=set)
     preempting: set[str] = field(default_factory=set)
+    rungs: dict[str, str] = field(default_factory=dict)  # model_id -> its memory rung there (moves)
 
     def forget(self, job_id: str) -> None:
         """It no longer holds the job."""
@@ -69,7 +70,8 @@ class ConnectedWorker:
         leaving = self.letting_go | self.preempting
         preemptible = tuple(HeldJob(key, job_id in self.started) for job_id, key in self.keys.items()
                             if job_id in self.held and job_id not in leaving) if self.protocol >= 2 else ()
-        return Holding(self.worker_id, self.models, len(self.held) + incoming, preemptible, self.joined)
+        return Holding(self.worker_id, self.models, len(self.held) + incoming, preemptible, self.joined,
+                       dict(self.rungs))
 
 
 @dataclass(frozen=True)
@@ -136,7 +138,8 @@ class Dispatcher:
     # workers
 
     def connect(self, *, worker_id: str, channel_name: str, models: Iterable[str],
-                held: Iterable[str] = (), protocol: int = 1, listed: Iterable[str] | None = None) -> Joined:
+                held: Iterable[str] = (), protocol: int = 1, listed: Iterable[str] | None = None,
+                rungs: Mapping[str, str] | None = None) -> Joined:
         """Register a worker's connection. The API gives it the jobs it held before (a reconnect,
         this process's restart, or `held`: what the database says it holds, e.g. after the API
         process it was connected to died). A v1 hello (`listed` None) keeps them all, and is told
@@ -160,6 +163,7 @@ class Dispatcher:
                 letting_go, kept = joined.cancel, (given & listed) | joined.cancel
             worker = ConnectedWorker(worker_id, channel_name, frozenset(models), next(self._joined), kept, protocol,
                                      set(letting_go))
+            worker.rungs = dict(rungs or {})
             if previous is not None:  # what it knew of the jobs it still holds
                 worker.keys = {job_id: key for job_id, key in previous.keys.items() if job_id in kept}
                 worker.started = previous.started & kept
@@ -188,15 +192,24 @@ class Dispatcher:
             worker.draining = True
             return True
 
-    def serve(self, *, worker_id: str, channel_name: str, model_id: str) -> bool:
-        """The worker loaded `model_id` (placement): its jobs may go there from now on. False when
-        that connection is no longer the worker's."""
+    def serve(self, *, worker_id: str, channel_name: str, model_id: str, rung: str | None = None) -> bool:
+        """The worker loaded `model_id` (placement), on `rung` when said: its jobs may go there from
+        now on. False when that connection is no longer the worker's."""
         with self.lock:
             worker = self.workers.get(worker_id)
             if worker is None or worker.channel_name != channel_name:
                 return False
             worker.models = worker.models | {model_id}
+            if rung:
+                worker.rungs[model_id] = rung
             return True
+
+    def rung_changed(self, *, worker_id: str, channel_name: str, model_id: str, rung: str) -> None:
+        """The worker moved `model_id` to another memory rung (an out-of-memory demotion)."""
+        with self.lock:
+            worker = self.workers.get(worker_id)
+            if worker is not None and worker.channel_name == channel_name:
+                worker.rungs[model_id] = rung
 
     def withdraw(self, *, worker_id: str, channel_name: str, model_id: str) -> bool:
         """Before an unload: the worker takes no new job of `model_id`. False (and nothing changes)

@@ -40,7 +40,8 @@ def worker_connected(*, hello: Hello, channel_name: str, arrival: HelloRecord, n
     replaced = jobs.worker_jobs_connect(worker_id=worker_id, channel_name=channel_name,
                                         models=[m.model_id for m in arrival.served], now=now,
                                         protocol=hello.protocol,
-                                        listed=hello.jobs if hello.protocol >= PROTOCOL_V2 else None)
+                                        listed=hello.jobs if hello.protocol >= PROTOCOL_V2 else None,
+                                        rungs={m.model_id: m.rung for m in arrival.served})
     sessions.worker_slots_set(worker_id=worker_id, channel_name=channel_name, models=arrival.served,
                               previous_channel=arrival.previous_channel, now=now)
     placement_soon()  # what it has installed may be what waiting work wants
@@ -86,6 +87,7 @@ def worker_rung_changed(*, worker_id: str, entry: ModelEntry, channel_name: str,
     """After an out-of-memory demotion: the row shows the new rung, and sessions that lost their
     slot go back to the queue."""
     services.worker_rung_set(worker_id=worker_id, entry=entry)
+    jobs.worker_model_rung(worker_id=worker_id, channel_name=channel_name, model_id=entry.model_id, rung=entry.rung)
     sessions.worker_rung_changed(worker_id=worker_id, entry=entry, channel_name=channel_name, now=now)
 
 
@@ -103,7 +105,8 @@ def worker_model_loaded(*, worker_id: str, entry: ModelEntry, gpu: Any, channel_
     registered, seconds = services.worker_model_loaded(worker_id=worker_id, entry=entry, gpu=gpu, now=now)
     metrics.model_load_finished(model_id=entry.model_id, outcome="loaded", seconds=seconds)
     if registered:
-        jobs.worker_model_serve(worker_id=worker_id, channel_name=channel_name, model_id=entry.model_id, now=now)
+        jobs.worker_model_serve(worker_id=worker_id, channel_name=channel_name, model_id=entry.model_id, now=now,
+                                rung=entry.rung)
         sessions.worker_rung_changed(worker_id=worker_id, entry=entry, channel_name=channel_name, now=now)
     placement_soon()
 

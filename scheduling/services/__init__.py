@@ -35,6 +35,7 @@ from scheduling.services.worker_jobs import (
     worker_jobs_connect,
     worker_jobs_disconnect,
     worker_jobs_drain,
+    worker_model_rung,
     worker_model_serve,
     worker_model_withdraw,
 )
@@ -74,6 +75,7 @@ __all__ = [
     "worker_jobs_connect",
     "worker_jobs_disconnect",
     "worker_jobs_drain",
+    "worker_model_rung",
     "worker_model_serve",
     "worker_model_withdraw",
 ]

@@ -60,7 +60,8 @@ def _fail_lost(job_id: uuid.UUID | str, *, now: datetime) -> bool:
 
 
 def worker_jobs_connect(*, worker_id: str, channel_name: str, models: list[str], now: datetime,
-                        protocol: int = 1, listed: tuple[str, ...] | None = None) -> str | None:
+                        protocol: int = 1, listed: tuple[str, ...] | None = None,
+                        rungs: dict[str, str] | None = None) -> str | None:
     """Register a worker connection and hand it work; the channel of a connection it replaced.
     A v1 worker keeps every job the API gave it, and jobs cancelled while it was away (this API
     restarted meanwhile) are cancelled on it first. A v2 worker (`listed`: its hello's `jobs`)
@@ -71,7 +72,7 @@ def worker_jobs_connect(*, worker_id: str, channel_name: str, models: list[str],
     held = {str(row[0]) for row in rows}
     current = dispatcher()
     joined = current.connect(worker_id=worker_id, channel_name=channel_name, models=models, held=held,
-                             protocol=protocol, listed=listed)
+                             protocol=protocol, listed=listed, rungs=rungs)
     current.describe(worker_id, [HeldJob(QueuedJob(str(job_id), model_id, priority, submitted_us, str(account)),
                                          state == JobState.RUNNING)
                                  for job_id, _, model_id, priority, submitted_us, account, state in rows])
@@ -125,10 +126,18 @@ def orphans_sweep(*, now: datetime) -> None:
         jobs_return(job_ids=held, now=now)
 
 
-def worker_model_serve(*, worker_id: str, channel_name: str, model_id: str, now: datetime) -> None:
-    """The worker loaded `model_id` (placement): its queued jobs may go there, and are dispatched now."""
-    if dispatcher().serve(worker_id=worker_id, channel_name=channel_name, model_id=model_id):
+def worker_model_serve(*, worker_id: str, channel_name: str, model_id: str, now: datetime,
+                       rung: str | None = None) -> None:
+    """The worker loaded `model_id` (placement), on `rung`: its queued jobs may go there, and are
+    dispatched now."""
+    if dispatcher().serve(worker_id=worker_id, channel_name=channel_name, model_id=model_id, rung=rung):
         jobs_dispatch(now=now)
+
+
+def worker_model_rung(*, worker_id: str, channel_name: str, model_id: str, rung: str) -> None:
+    """The worker runs `model_id` on another rung now (an out-of-memory demotion): no job waiting
+    on a faster copy moves there."""
+    dispatcher().rung_changed(worker_id=worker_id, channel_name=channel_name, model_id=model_id, rung=rung)
 
 
 def worker_model_withdraw(*, worker_id: str, channel_name: str, model_id: str) -> bool:

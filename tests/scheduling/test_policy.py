@@ -485,9 +485,9 @@ def held(job_id: str, *, account: str = "alice", priority: int = 0, at: int = 0,
 
 
 def holding(worker_id: str, *jobs: HeldJob, models: str | set[str] = "m", held_count: int | None = None,
-            joined: int = 0) -> Holding:
+            joined: int = 0, rungs: dict[str, str] | None = None) -> Holding:
     return Holding(worker_id, frozenset({models} if isinstance(models, str) else models),
-                   len(jobs) if held_count is None else held_count, jobs, joined)
+                   len(jobs) if held_count is None else held_count, jobs, joined, rungs or {})
 
 
 def urgent(job_id: str = "urgent", *, account: str = "alice", priority: int = 9, at: int = 100,
@@ -621,6 +621,18 @@ MOVE_CASES = [
     pytest.param([holding("w", held("a1"), held("a2", at=2, started=False)), holding("coming", held_count=1,
                                                                                      joined=1)],
                  [], id="a worker with a job on its way to it is not idle"),
+    pytest.param([holding("w", held("a1"), held("a2", at=2, started=False)),
+                  holding("slow", joined=1, rungs={"m": "group_offload"})],
+                 [], id="not to a copy on a slower rung than the one it waits on"),
+    pytest.param([holding("w", held("a1"), held("a2", at=2, started=False), rungs={"m": "model_offload"}),
+                  holding("same", joined=1, rungs={"m": "model_offload"})],
+                 [Move("w", "a2", "same")], id="to a copy on the same rung"),
+    pytest.param([holding("w", held("a1"), held("a2", at=2, started=False), rungs={"m": "group_offload"}),
+                  holding("fast", joined=1, rungs={"m": "full"})],
+                 [Move("w", "a2", "fast")], id="to a faster copy"),
+    pytest.param([holding("w", held("a1"), held("a2", at=2, started=False)),
+                  holding("slow", joined=1, rungs={"m": "model_offload"}), holding("full", joined=2)],
+                 [Move("w", "a2", "full")], id="a slower idle copy leaves it to a full one"),
 ]
 
 
@@ -629,10 +641,14 @@ def test_it_moves_a_job_waiting_behind_another_to_an_idle_worker(workers, expect
     assert plan_moves(workers) == expected
 
 
-@given(preemption_situations())
+@given(preemption_situations(), st.data())
 @settings(max_examples=300, deadline=None)
-def test_a_move_only_ever_takes_a_waiting_job_to_an_idle_worker_that_serves_it(situation):
-    _, workers, _ = situation
+def test_a_move_only_ever_takes_a_waiting_job_to_an_idle_worker_that_serves_it(situation, data):
+    _, drawn, _ = situation
+    workers = [Holding(w.worker_id, w.models, w.held, w.preemptible, w.joined,
+                       data.draw(st.dictionaries(st.sampled_from(["a", "b"]),
+                                                 st.sampled_from(["full", "model_offload", "group_offload"]))))
+               for w in drawn]
     by_job = {h.job.job_id: (w, h) for w in workers for h in w.preemptible}
     by_worker = {w.worker_id: w for w in workers}
 
@@ -647,6 +663,7 @@ def test_a_move_only_ever_takes_a_waiting_job_to_an_idle_worker_that_serves_it(s
         assert worker.worker_id == move.worker_id != move.to_worker_id
         assert thief.held == 0 and job.job.model_id in thief.models
         assert not job.started, "a job that has begun was moved"
+        assert thief.rank(job.job.model_id) <= worker.rank(job.job.model_id), "moved to a slower copy"
         given_back[worker.worker_id] = given_back.get(worker.worker_id, 0) + 1
     for worker_id, count in given_back.items():
         assert by_worker[worker_id].held - count >= 1, "a worker gave back every job it held"

@@ -127,3 +127,56 @@ async def test_a_moving_job_that_ends_where_it_was_leaves_the_idle_worker_free_f
     later, = await submit_jobs(alice, 1)
 
     assert (await idle.jobs(1))[0]["job_id"] == later
+
+
+async def join_on(worker, rung: str) -> None:
+    """The worker says hello serving tiny-a on `rung`."""
+    from tests.workers.conftest import hello_v2
+
+    await worker.connect()
+    message = hello_v2(worker.worker_id, ["tiny-a"])
+    message["models"][0]["rung"] = rung
+    await worker.send(message)
+    assert (await worker.receive())["type"] == "welcome"
+
+
+async def test_a_job_waiting_on_a_full_copy_is_not_moved_to_a_slower_one(alice, v2_workers):
+    busy = v2_workers("host-a:0")
+    await busy_with_two(alice, busy)
+
+    await join_on(v2_workers("host-b:0"), "group_offload")  # 3.7x a full step: waiting is quicker
+
+    assert await busy.silent()
+
+
+async def test_a_job_moves_to_a_copy_on_the_same_rung_as_its_own(alice, v2_workers):
+    busy = v2_workers("host-a:0")
+    await join_on(busy, "model_offload")
+    ids = await submit_jobs(alice, 2)
+    assert [m["job_id"] for m in await busy.jobs(2)] == ids
+    await busy.started(ids[0])
+    assert await eventually(lambda: running(ids[0]))
+
+    await join_on(v2_workers("host-b:0"), "model_offload")
+
+    assert await busy.receive() == {"type": "preempt", "job_id": ids[1]}
+
+
+async def test_a_copy_demoted_to_a_slower_rung_takes_no_job_waiting_on_a_faster_one(alice, v2_workers):
+    busy = v2_workers("host-a:0")
+    running_id, = await submit_jobs(alice, 1)
+    await busy.join(["tiny-a"])
+    await busy.jobs(1)
+    await busy.started(running_id)
+    demoted = v2_workers("host-b:0")
+    await demoted.join(["tiny-a"])
+    await demoted.send({"type": "rung_changed", "model_id": "tiny-a", "rung": "group_offload", "realtime": False,
+                        "frame_ms_p95": None, "realtime_slots": 0})
+    its_own, waiting = await submit_jobs(alice, 2)
+    assert (await demoted.jobs(1))[0]["job_id"] == its_own  # the dispatch goes by jobs held alone
+    assert (await busy.jobs(1))[0]["job_id"] == waiting
+
+    await demoted.result(its_own, [PNG_B64])
+
+    assert await demoted.receive() == {"type": "job_ack", "job_id": its_own}
+    assert await busy.silent(), "moved to a copy 3.7x slower"
