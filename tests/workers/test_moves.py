@@ -8,6 +8,7 @@ import base64
 import pytest
 
 from tests.helpers import eventually, job_row, submit_jobs, tiny_png
+from tests.workers.test_priority_preemption import holding_two_of, running
 
 pytestmark = pytest.mark.django_db(transaction=True)
 PNG_B64 = base64.b64encode(tiny_png()).decode()
@@ -17,23 +18,9 @@ def given_back(job_id: str) -> dict:
     return {"type": "job_preempted", "job_id": job_id, "step": 0, "steps": 10, "checkpoint": None}
 
 
-async def running(job_id: str) -> bool:
-    return (await job_row(job_id))["state"] == "running"
-
-
-async def busy_with_two(account, worker) -> list[str]:
-    """`account` submits two jobs; the worker (depth 2) gets both and starts the first."""
-    ids = await submit_jobs(account, 2)
-    await worker.join(["tiny-a"])
-    assert [m["job_id"] for m in await worker.jobs(2)] == ids
-    await worker.started(ids[0])
-    assert await eventually(lambda: running(ids[0]))
-    return ids
-
-
 async def test_a_job_waiting_behind_another_moves_to_a_worker_that_connects_idle(alice, v2_workers):
     busy = v2_workers("host-a:0")
-    ids = await busy_with_two(alice, busy)
+    ids = await holding_two_of(alice, busy)
 
     idle = v2_workers("host-b:0")
     await idle.join(["tiny-a"])
@@ -75,7 +62,7 @@ async def test_a_worker_that_finishes_its_job_takes_the_one_waiting_on_another(a
 
 async def test_a_job_that_has_begun_is_not_moved(alice, v2_workers):
     busy = v2_workers("host-a:0")
-    ids = await busy_with_two(alice, busy)
+    ids = await holding_two_of(alice, busy)
     await busy.started(ids[1])  # the worker interleaves both (within an account, by priority)
     assert await eventually(lambda: running(ids[1]))
 
@@ -97,7 +84,7 @@ async def test_a_worker_s_only_job_is_not_moved(alice, v2_workers):
 
 async def test_no_job_moves_to_an_idle_worker_that_does_not_serve_its_model(alice, v2_workers):
     busy = v2_workers("host-a:0")
-    await busy_with_two(alice, busy)
+    await holding_two_of(alice, busy)
 
     await v2_workers("host-b:0").join(["tiny-b"])
 
@@ -118,7 +105,7 @@ async def test_a_v1_worker_is_never_asked_to_give_a_job_back(alice, workers, v2_
 
 async def test_a_moving_job_that_ends_where_it_was_leaves_the_idle_worker_free_for_the_queue(alice, v2_workers):
     busy = v2_workers("host-a:0")
-    ids = await busy_with_two(alice, busy)
+    ids = await holding_two_of(alice, busy)
     idle = v2_workers("host-b:0")
     await idle.join(["tiny-a"])
     assert await busy.receive() == {"type": "preempt", "job_id": ids[1]}
@@ -143,7 +130,7 @@ async def join_on(worker, rung: str) -> None:
 
 async def test_a_job_waiting_on_a_full_copy_is_not_moved_to_a_slower_one(alice, v2_workers):
     busy = v2_workers("host-a:0")
-    await busy_with_two(alice, busy)
+    await holding_two_of(alice, busy)
 
     await join_on(v2_workers("host-b:0"), "group_offload")  # 3.7x a full step: waiting is quicker
 
