@@ -388,12 +388,13 @@ class Dispatcher:
             job = self.queues.remove(job_id)
             if job is None:
                 continue
-            assignment = Assignment(job, to_worker)
-            if job.model_id not in worker.models or not claim(assignment):
+            if job.model_id not in worker.models:  # it no longer serves the model: the queue decides
                 self.queues.push(job)
                 continue
-            self._hold(assignment)
-            done.append(assignment)
+            assignment = Assignment(job, to_worker)
+            if claim(assignment):  # a failed claim: no longer queued (cancelled meanwhile), dropped as plan() does
+                self._hold(assignment)
+                done.append(assignment)
         return done
 
     def moves(self) -> list[tuple[Move, str]]:
