@@ -162,6 +162,7 @@ def build_client(options: WorkerOptions) -> Any:
         log.error("no model fits this worker's memory (%s); connecting with none to serve", reasons)
     catalog.step_ms.update(measure_step_times(pipelines))
     realtime = measure_realtime(pipelines, options.frame_budget_ms) if options.realtime else {}
+    catalog.capacity.update(realtime)  # a preloaded model unloaded and loaded again is not measured again
     worker_id = options.worker_id or default_worker_id(device)
     on_demand = ModelsOnDemand(catalog, device=device, budget=budget, memory_mode=options.memory_mode,
                                frame_budget_ms=options.frame_budget_ms if options.realtime else None, fault=fault,

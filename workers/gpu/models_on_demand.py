@@ -67,12 +67,15 @@ def dtype_bytes_for(device: str) -> int:
 @dataclass
 class InstalledCatalog:
     """The installed models (after --models) by model_id, each one's footprint read from its saved
-    files (once, at start: the weights are not read), and each one's step time once measured on
-    the full rung (kept when it is demoted or unloaded: it is the model's, not the load's)."""
+    files (once, at start: the weights are not read), and what was measured of each on the full
+    rung: its step time and its realtime slots. Both are the model's on this device, not the
+    load's: kept when it is demoted or unloaded, and not measured again when it is loaded again
+    (the measuring takes seconds, the slots most of them, and the API waits for model_loaded)."""
 
     models: dict[str, InstalledModel]
     saved: dict[str, Footprint] = field(default_factory=dict)  # models whose files could not be read are left out
     step_ms: dict[str, float] = field(default_factory=dict)
+    capacity: dict[str, RealtimeCapacity] = field(default_factory=dict)
 
     @classmethod
     def read(cls, models: Iterable[InstalledModel], *, dtype_bytes: int, max_side: int) -> InstalledCatalog:
@@ -274,7 +277,8 @@ class ModelsOnDemand:
         loop = asyncio.get_running_loop()
         assert self._thread is not None
         result = await loop.run_in_executor(self._thread, self._load_here, self.catalog.models[model_id], rung,
-                                            dict(host.pipelines))
+                                            dict(host.pipelines), self.catalog.step_ms.get(model_id),
+                                            self.catalog.capacity.get(model_id))
         if isinstance(result, str):
             log.warning("loading %s for the API failed: %s", model_id, result)
             self._failed(model_id, result)
@@ -283,6 +287,8 @@ class ModelsOnDemand:
         host.pipelines[model_id] = pipeline
         if result.step_ms is not None:
             self.catalog.step_ms[model_id] = result.step_ms
+        if result.capacity is not None:
+            self.catalog.capacity[model_id] = result.capacity
         if result.capacity is not None:
             host.frames.add_model(model_id, pipeline, result.capacity.slots)
         host.sessions.add_model(model_id, pipeline.rung, result.capacity)
@@ -330,12 +336,12 @@ class ModelsOnDemand:
 
     # --- the loader thread's side -----------------------------------------------------------------
 
-    def _load_here(self, model: InstalledModel, rung: str | None,
-                   loaded: Mapping[str, Any]) -> LoadedModel | str:
-        """On the loader thread: the model placed and measured, or why not (everything it took
-        given back)."""
+    def _load_here(self, model: InstalledModel, rung: str | None, loaded: Mapping[str, Any],
+                   step_ms: float | None = None, capacity: RealtimeCapacity | None = None) -> LoadedModel | str:
+        """On the loader thread: the model placed and measured (unless `step_ms` and `capacity`
+        were measured at an earlier load), or why not (everything it took given back)."""
         try:
-            return self._place(model, rung, loaded)
+            return self._place(model, rung, loaded, step_ms, capacity)
         except (LoadRefused, PipelineLoadError) as exc:
             error = str(exc)
         except Exception as exc:  # out of memory while placing, a broken file: the worker goes on
@@ -351,7 +357,8 @@ class ModelsOnDemand:
         return rung_for_load(footprint, placed, free_bytes=self.budget.free_bytes(), memory_mode=self.memory_mode,
                              asked=rung, ram_free_bytes=ram_free)
 
-    def _place(self, model: InstalledModel, rung: str | None, loaded: Mapping[str, Any]) -> LoadedModel:
+    def _place(self, model: InstalledModel, rung: str | None, loaded: Mapping[str, Any],
+               known_step_ms: float | None = None, known_capacity: RealtimeCapacity | None = None) -> LoadedModel:
         model_id = model.model_id
         placed = placed_now(loaded)
         saved = self.catalog.saved.get(model_id)
@@ -377,9 +384,12 @@ class ModelsOnDemand:
                 shutil.rmtree(offload_dir, ignore_errors=True)
             raise
         del modules
-        step_ms = measure_step_ms(pipeline) if pipeline.rung == RUNG_FULL else None
-        capacity = (realtime_capacity(model_id, pipeline, self.frame_budget_ms)
-                    if self.frame_budget_ms is not None else None)
+        step_ms = capacity = None
+        if pipeline.rung == RUNG_FULL:  # measured on full only; a model measured before is not again
+            step_ms = known_step_ms if known_step_ms is not None else measure_step_ms(pipeline)
+            if self.frame_budget_ms is not None:
+                capacity = (known_capacity if known_capacity is not None
+                            else realtime_capacity(model_id, pipeline, self.frame_budget_ms))
         return LoadedModel(pipeline, choice, step_ms, capacity)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import logging
 import math
 import threading
 import weakref
@@ -105,6 +106,58 @@ def test_it_loads_a_model_serves_it_and_unloads_it_giving_every_byte_back(two_mo
         assert "tiny-a" not in client.pipelines
 
     run_async(body())
+
+
+def test_a_model_loaded_again_keeps_its_step_time_and_slots_without_measuring_them_again(
+        two_models: Path, caplog: pytest.LogCaptureFixture) -> None:
+    async def body() -> None:
+        async with FakeApi(protocol=2) as fake:
+            client = build_client(options(fake, two_models, preload=[], vram_mib=1000, realtime=True))
+            async with running(client):
+                await fake.next_message("hello")
+                answers = []
+                for _ in range(2):
+                    await fake.send({"type": "load_model", "model_id": "tiny-a"})
+                    answers.append(await fake.next_message("model_loaded", model_id="tiny-a"))
+                    await fake.send({"type": "unload_model", "model_id": "tiny-a"})
+                    await fake.next_message("model_unloaded", model_id="tiny-a")
+                await fake.send({"type": "load_model", "model_id": "tiny-a"})
+                answers.append(await fake.next_message("model_loaded", model_id="tiny-a"))
+                session = await fake.session_start("s-1", model_id="tiny-a")
+
+        first, *again = answers
+        assert first["step_ms"] > 0 and first["realtime"] and first["realtime_slots"] >= 1
+        for answer in again:
+            assert {k: answer[k] for k in ("rung", "step_ms", "realtime", "realtime_slots")} == {
+                k: first[k] for k in ("rung", "step_ms", "realtime", "realtime_slots")}
+        assert session["type"] == "session_accepted"  # the slots kept are served
+        measured = [r for r in caplog.records if "realtime slot(s) within" in r.getMessage()]
+        assert len(measured) == 1  # the frames were timed at the first load only
+
+    with caplog.at_level(logging.INFO, logger="workers.gpu.loading"):
+        run_async(body())
+
+
+def test_a_preloaded_model_loaded_again_keeps_what_was_measured_at_start(
+        two_models: Path, caplog: pytest.LogCaptureFixture) -> None:
+    async def body() -> None:
+        async with FakeApi(protocol=2) as fake:
+            client = build_client(options(fake, two_models, preload=["tiny-a"], vram_mib=1000, realtime=True))
+            async with running(client):
+                hello = await fake.next_message("hello")
+                await fake.send({"type": "unload_model", "model_id": "tiny-a"})
+                await fake.next_message("model_unloaded", model_id="tiny-a")
+                await fake.send({"type": "load_model", "model_id": "tiny-a"})
+                again = await fake.next_message("model_loaded", model_id="tiny-a")
+
+        (at_start,) = hello["models"]
+        assert at_start["realtime_slots"] >= 1
+        assert {k: again[k] for k in ("step_ms", "realtime", "realtime_slots")} == {
+            k: at_start[k] for k in ("step_ms", "realtime", "realtime_slots")}
+        assert len([r for r in caplog.records if "realtime slot(s) within" in r.getMessage()]) == 1
+
+    with caplog.at_level(logging.INFO, logger="workers.gpu.loading"):
+        run_async(body())
 
 
 def test_a_load_that_does_not_fit_fails_with_why_and_the_worker_serves_on(two_models: Path) -> None:
