@@ -140,6 +140,7 @@ async def cycles(args: argparse.Namespace, device: str, root: Path, model_id: st
                 rows.append({
                     "n": number, "rung": loaded["rung"], "cold": cold, "load_s": load_s,
                     "model_s": LOAD_FIXED_SECONDS + installed["needs_mib"]["full"] / LOAD_MIB_PER_SECOND,
+                    "needs_full": installed["needs_mib"]["full"],
                     "step_ms": loaded.get("step_ms"), "job_ms_per_step": (result.get("gpu_ms") or 0) / args.steps,
                     "free_before": before_free, "free_loaded": (loaded["gpu"] or {}).get("free_mib"),
                     "free_after": (unloaded["gpu"] or {}).get("free_mib"),
@@ -174,6 +175,12 @@ def report(rows: list[dict[str, Any]]) -> list[str]:
               f"{num(r['step_ms'], '.1f'):>9}{r['job_ms_per_step']:>12.1f}{num(r['slots']):>6}"
               f"{num(r['free_before']):>12}{num(r['free_loaded']):>8}{num(r['free_after']):>8}"
               f"{r['alloc_before']:>13.1f}{r['alloc_loaded']:>8.1f}{r['alloc_after']:>8.1f}{r['reserved_after']:>15.1f}")
+    warm = [r for r in rows if r["rung"] == "full" and not r["cold"]]
+    if warm:  # what bench/placement.py should assume: this time, scaled by the models' needs
+        seconds = sum(r["load_s"] for r in warm) / len(warm)
+        print(f"warm loads on full take {seconds:.2f} s against the {warm[0]['model_s']:.2f} s bench/placement.py "
+              f"assumes; to replay with this: bench/placement.py --load-fixed-seconds 0 "
+              f"--load-mib-per-second {warm[0]['needs_full'] / seconds:.0f}")
     failed = []
     first_after = rows[0]["free_after"]
     for r in rows:

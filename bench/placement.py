@@ -37,6 +37,9 @@ the trace's offered load against the fleet's capacity, and counts the late jobs 
 first (no copy when they came, a queue, a slower rung: group offload's step is 3.7x full's, so a
 job there misses a 3x budget by itself).
 
+A load takes --load-fixed-seconds plus the model's full needs at --load-mib-per-second (assumed:
+1 s and 1,500 MiB/s; bench/load_unload.py measures a real one on a GPU host and prints the options).
+
     .venv/bin/python bench/placement.py [--seed 1] [--seeds 4] [--vram-mib 16384,24576] [--workers 8]
 """
 from __future__ import annotations
@@ -114,24 +117,29 @@ class ModelSpec:
     step_ms: float
     steps: int
     slots: int
+    load_fixed_seconds: float = LOAD_FIXED_SECONDS
+    load_mib_per_second: float = LOAD_MIB_PER_SECOND
 
     @property
     def load_seconds(self) -> float:
-        return LOAD_FIXED_SECONDS + self.needs_mib["full"] / LOAD_MIB_PER_SECOND
+        return self.load_fixed_seconds + self.needs_mib["full"] / self.load_mib_per_second
 
     def seconds(self, rung: str) -> float:
         factor, fixed = RUNG_COST[rung]
         return self.steps * self.step_ms / 1000 * factor + fixed
 
 
-def model_specs(n: int, rungs: Sequence[str] = RUNGS) -> list[ModelSpec]:
-    """`n` models cycling through the families, allowed only `rungs` (as a worker's MEMORY_MODE)."""
+def model_specs(n: int, rungs: Sequence[str] = RUNGS, *, load_fixed_seconds: float = LOAD_FIXED_SECONDS,
+                load_mib_per_second: float = LOAD_MIB_PER_SECOND) -> list[ModelSpec]:
+    """`n` models cycling through the families, allowed only `rungs` (as a worker's MEMORY_MODE),
+    each loading in `load_fixed_seconds` + its full needs / `load_mib_per_second`."""
     out = []
     for i in range(n):
         family = MODEL_FAMILIES[i % len(MODEL_FAMILIES)]
         needs, step_ms, steps, slots = FAMILIES[family]
         allowed = {r: mib for r, mib in zip(RUNGS, needs, strict=True) if r in rungs}
-        out.append(ModelSpec(f"{family}-{i:02d}", allowed, step_ms, steps, slots))
+        out.append(ModelSpec(f"{family}-{i:02d}", allowed, step_ms, steps, slots, load_fixed_seconds,
+                             load_mib_per_second))
     return out
 
 
@@ -676,7 +684,8 @@ class Result:
 
 def replay(name: str, args: argparse.Namespace, settings: PlacementSettings) -> Result:
     rng = random.Random(args.seed)
-    specs = model_specs(args.models, args.rungs.split(","))
+    specs = model_specs(args.models, args.rungs.split(","), load_fixed_seconds=args.load_fixed_seconds,
+                        load_mib_per_second=args.load_mib_per_second)
     arrivals = trace(rng, specs, duration=args.duration, job_rate=args.job_rate, phase=args.phase,
                      session_rate=args.session_rate, spike_every=args.spike_every)
     fleet = Fleet(specs, args.workers, args.vram_mib, random.Random(args.seed + 1), settings.demand_window_seconds,
@@ -733,6 +742,10 @@ def main() -> None:
                         help="also replay the planner tuned for the SLO: this target wait ... (0: not)")
     parser.add_argument("--also-target-wait-jobs", type=float, default=2.0,
                         help="... and at most this many of a job's own run (the SLO gives 3x: 2 runs of wait)")
+    parser.add_argument("--load-fixed-seconds", type=float, default=LOAD_FIXED_SECONDS,
+                        help="a load's fixed cost (bench/load_unload.py measures it on a GPU host)")
+    parser.add_argument("--load-mib-per-second", type=float, default=LOAD_MIB_PER_SECOND,
+                        help="a load's speed, of the model's full needs a second")
     parser.add_argument("--retire", action=argparse.BooleanOptionalAction, default=True,
                         help="also replay the tuned planner retiring spare slow copies (beyond the contract)")
     args = parser.parse_args()
@@ -748,7 +761,8 @@ def main() -> None:
 
     print(f"trace: seeds {', '.join(map(str, seeds))}, {args.workers} workers, {args.models} models, "
           f"{args.duration:,.0f} s each (+ up to {DRAIN_SECONDS:,.0f} s to drain), jobs {args.job_rate:g}/s + "
-          f"spikes, sessions {args.session_rate:.3g}/s; rungs {args.rungs}")
+          f"spikes, sessions {args.session_rate:.3g}/s; rungs {args.rungs}; a load {args.load_fixed_seconds:g} s + "
+          f"full needs at {args.load_mib_per_second:,.0f} MiB/s")
     print(f"planner: PLACEMENT_TARGET_WAIT_SECONDS={settings.target_wait_seconds:g}, "
           f"PLACEMENT_TARGET_WAIT_JOBS={settings.target_wait_jobs:g}, the rest the defaults (trend rule: "
           f"{settings.copy_busy_share:.0%}; burst rule: {settings.burst_busy_share:.0%} over "
@@ -822,7 +836,8 @@ def offered(args: argparse.Namespace) -> None:
     """The trace's offered work against the fleet's capacity: each job's standalone run on rung full
     and each session's share of its worker, over workers x duration (no policy can do better than
     a fleet that is not overloaded; above ~100 % none can meet any SLO)."""
-    specs = model_specs(args.models, args.rungs.split(","))
+    specs = model_specs(args.models, args.rungs.split(","), load_fixed_seconds=args.load_fixed_seconds,
+                        load_mib_per_second=args.load_mib_per_second)
     by_id = {s.model_id: s for s in specs}
     arrivals = trace(random.Random(args.seed), specs, duration=args.duration, job_rate=args.job_rate,
                      phase=args.phase, session_rate=args.session_rate, spike_every=args.spike_every)
