@@ -408,7 +408,8 @@ class Fleet:
                 self.start(w, w.held.popleft())
         by_id = {w.worker_id: w for w in self.workers}
         queues = _Heads(self.queued)
-        capacities = [WorkerCapacity(w.worker_id, frozenset(m for m in w.copies if w.ready(m)), w.holds(), i)
+        capacities = [WorkerCapacity(w.worker_id, frozenset(m for m in w.copies if w.ready(m)), w.holds(), i,
+                                     {m: c.rung for m, c in w.copies.items()})
                       for i, w in enumerate(self.workers)]
         for a in plan_dispatch(queues, capacities, depth=self.depth):
             w, job = by_id[a.worker_id], queues.popped.pop(a.job.job_id)

@@ -320,7 +320,8 @@ class Dispatcher:
             done = self._serve_reserved(claim) + self._serve_moved(claim)
             while True:
                 incoming = self._incoming()
-                capacities = [WorkerCapacity(w.worker_id, w.models, len(w.held) + incoming[w.worker_id], w.joined)
+                capacities = [WorkerCapacity(w.worker_id, w.models, len(w.held) + incoming[w.worker_id], w.joined,
+                                             w.rungs)
                               for w in self.workers.values() if not w.draining]
                 start = None if at_us is None else max(at_us, self._turn_clock_us + 1)
                 planned = plan_dispatch(self.queues, capacities, depth=self.depth, at_us=start)

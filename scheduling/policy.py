@@ -115,6 +115,13 @@ class WorkerCapacity:
     models: frozenset[str]
     held: int
     joined: int  # connection order, for a stable tie-break
+    # model_id -> the memory rung it runs on there, where known (a tie goes to the faster copy)
+    rungs: Mapping[str, str] = field(default_factory=dict, hash=False)
+
+    def rank(self, model_id: str) -> int:
+        """How slow its copy of `model_id` is: 0 for rung full (or not known), then down the ladder."""
+        rung = self.rungs.get(model_id)
+        return RUNGS.index(rung) if rung in RUNGS else 0
 
 
 @dataclass(frozen=True)
@@ -128,8 +135,10 @@ def plan_dispatch(queues: Heads, workers: Sequence[WorkerCapacity], *, depth: in
     """Take jobs off the queues for workers with room, and say which worker gets each.
 
     A worker never holds more than `depth` unfinished jobs. Each job goes to the least-loaded
-    worker that serves its model (earliest joined on a tie); among the jobs a worker can take it
-    gets the next in fair-share order. `at_us`: the dispatch time, each later pop one microsecond on.
+    worker that serves its model; on a tie, to the one whose copy of the model is on the fastest
+    memory rung (a job on group offload runs several times as long), then the earliest joined.
+    Among the jobs a worker can take it gets the next in fair-share order. `at_us`: the dispatch
+    time, each later pop one microsecond on.
     """
     held = {w.worker_id: w.held for w in workers}
     assignments: list[Assignment] = []
@@ -139,8 +148,11 @@ def plan_dispatch(queues: Heads, workers: Sequence[WorkerCapacity], *, depth: in
         for worker in candidates:
             job = queues.pop_for(worker.models, at_us=None if at_us is None else at_us + len(assignments))
             if job is not None:
-                held[worker.worker_id] += 1
-                assignments.append(Assignment(job, worker.worker_id))
+                tied = [w for w in candidates
+                        if held[w.worker_id] == held[worker.worker_id] and job.model_id in w.models]
+                chosen = min(tied, key=lambda w: (w.rank(job.model_id), w.joined))
+                held[chosen.worker_id] += 1
+                assignments.append(Assignment(job, chosen.worker_id))
                 break
         else:
             return assignments

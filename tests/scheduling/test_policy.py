@@ -378,9 +378,10 @@ TestQueueInterleavings = QueueMachine.TestCase
 
 # --- plan_dispatch -------------------------------------------------------------------------------
 
-def worker(worker_id: str, models: str | set[str] = "m", *, held: int = 0, joined: int = 0) -> WorkerCapacity:
+def worker(worker_id: str, models: str | set[str] = "m", *, held: int = 0, joined: int = 0,
+           rungs: dict[str, str] | None = None) -> WorkerCapacity:
     return WorkerCapacity(worker_id=worker_id, models=frozenset({models} if isinstance(models, str) else models),
-                          held=held, joined=joined)
+                          held=held, joined=joined, rungs=rungs or {})
 
 
 def plan(queued: list[QueuedJob], workers: list[WorkerCapacity], **options) -> list[tuple[str, str]]:
@@ -404,6 +405,22 @@ PLAN_CASES = [
     pytest.param(five_jobs(), [worker("late", joined=5), worker("early", joined=1)], {},
                  [("j1", "early"), ("j2", "late"), ("j3", "early"), ("j4", "late")],
                  id="earliest joined breaks a tie"),
+    pytest.param(five_jobs(), [worker("slow", joined=0, rungs={"m": "group_offload"}),
+                               worker("fast", joined=1, rungs={"m": "full"})], {},
+                 [("j1", "fast"), ("j2", "slow"), ("j3", "fast"), ("j4", "slow")],
+                 id="on a tie the copy on the faster rung first, before the earlier connection"),
+    pytest.param(five_jobs(), [worker("offload", joined=0, rungs={"m": "model_offload"}),
+                               worker("unknown", joined=1)], {},
+                 [("j1", "unknown"), ("j2", "offload"), ("j3", "unknown"), ("j4", "offload")],
+                 id="a rung not known counts as full"),
+    pytest.param(five_jobs(), [worker("fast", held=1, joined=0, rungs={"m": "full"}),
+                               worker("slow", joined=1, rungs={"m": "group_offload"})], {},
+                 [("j1", "slow"), ("j2", "fast"), ("j3", "slow")],
+                 id="a faster copy does not go before a less loaded worker"),
+    pytest.param([job("a1", model="a", at=1), job("b1", model="b", at=2)],
+                 [worker("wab", {"a", "b"}, joined=0, rungs={"a": "full", "b": "group_offload"}),
+                  worker("wb", "b", joined=1)], {"depth": 1},
+                 [("a1", "wab"), ("b1", "wb")], id="the rung of the job's own model counts"),
     pytest.param([job("a1", model="a", at=1), job("b1", model="b", at=2)],
                  [worker("wa", "a", joined=0), worker("wb", "b", joined=1)], {},
                  [("a1", "wa"), ("b1", "wb")], id="each worker only gets its models"),

@@ -1,6 +1,7 @@
 """Moving a waiting job, on the worker socket: a job held behind another job on a busy worker is
 asked back (`preempt`) when a worker serving its model holds nothing, and goes to that worker once
-the busy one answers; a job that has begun, a worker's only job, and a v1 worker's jobs stay."""
+the busy one answers; a job that has begun, a worker's only job, and a v1 worker's jobs stay. And
+the dispatch's tie-break that shares the rungs: between workers holding as many jobs, the faster copy."""
 from __future__ import annotations
 
 import base64
@@ -150,6 +151,18 @@ async def test_a_job_moves_to_a_copy_on_the_same_rung_as_its_own(alice, v2_worke
     assert await busy.receive() == {"type": "preempt", "job_id": ids[1]}
 
 
+async def test_of_two_idle_workers_a_job_goes_to_the_one_whose_copy_is_on_the_faster_rung(alice, v2_workers):
+    slow = v2_workers("host-a:0")
+    await join_on(slow, "group_offload")  # joined first: a plain tie would go its way
+    fast = v2_workers("host-b:0")
+    await join_on(fast, "full")
+
+    job_id, = await submit_jobs(alice, 1)
+
+    assert (await fast.jobs(1))[0]["job_id"] == job_id
+    assert await slow.silent()
+
+
 async def test_a_copy_demoted_to_a_slower_rung_takes_no_job_waiting_on_a_faster_one(alice, v2_workers):
     busy = v2_workers("host-a:0")
     running_id, = await submit_jobs(alice, 1)
@@ -161,7 +174,7 @@ async def test_a_copy_demoted_to_a_slower_rung_takes_no_job_waiting_on_a_faster_
     await demoted.send({"type": "rung_changed", "model_id": "tiny-a", "rung": "group_offload", "realtime": False,
                         "frame_ms_p95": None, "realtime_slots": 0})
     submitted = set(await submit_jobs(alice, 2))
-    its_own = (await demoted.jobs(1))[0]["job_id"]  # the dispatch goes by jobs held alone
+    its_own = (await demoted.jobs(1))[0]["job_id"]  # the less loaded first, whatever its rung
     waiting = (await busy.jobs(1))[0]["job_id"]
     assert {its_own, waiting} == submitted
 
