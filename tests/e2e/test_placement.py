@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,18 @@ async def one_session(stack: Stack, token: str, model_id: str) -> dict[str, Any]
         return live
 
 
+def settled(staff: Client, timeout: float = 120.0) -> dict[str, Any]:
+    """/api/v1/queues/ once no placement action is waiting for its worker's answer."""
+    deadline = time.monotonic() + timeout
+    while True:
+        seen: dict[str, Any] = staff.http.get("/api/v1/queues/").json()
+        waiting = [p for p in seen["placement"] if p["outcome"] == "waiting"]
+        if not waiting:
+            return seen
+        assert time.monotonic() < deadline, f"placement actions still waiting after {timeout}s: {waiting}"
+        time.sleep(0.1)
+
+
 def demand(stack: Stack, client: Client, token: str, model_id: str, jobs: int) -> list[dict[str, Any]]:
     """`jobs` jobs and one session for `model_id` at once; the jobs as they ended."""
     ids = [client.submit(model_id=model_id, params={**PARAMS, "seed": n})["id"] for n in range(jobs)]
@@ -76,13 +89,12 @@ def test_models_follow_the_demand_across_two_workers_that_each_hold_one(tmp_path
                  *demand(stack, alice, account_token, "tiny-a", 3)]
 
         assert [job["state"] for job in ended] == ["succeeded"] * 9, [j.get("error") for j in ended]
-        seen = staff.http.get("/api/v1/queues/").json()
+        # A copy asked for late may still be loading (a model a worker loads for the first time has
+        # its realtime slots measured): every action ends, none fails or goes missing.
+        seen = settled(staff)
         log = [(p["action"], p["model_id"], p["outcome"]) for p in reversed(seen["placement"])]
         assert ("unload", "tiny-a", "unloaded") in log and ("load", "tiny-b", "loaded") in log, log
-        # nothing failed or went missing; only the newest action, a copy the last jobs' queue asked
-        # for, may still be loading (its worker measures realtime slots after loading)
-        assert all(outcome in ("loaded", "unloaded", "kept", "waiting") for _, _, outcome in log), log
-        assert [n for n, (_, _, outcome) in enumerate(log) if outcome == "waiting"] in ([], [len(log) - 1]), log
+        assert all(outcome in ("loaded", "unloaded", "kept") for _, _, outcome in log), log
         for worker in seen["workers"]:
             assert {m["model_id"] for m in worker["installed"]} == {"tiny-a", "tiny-b"}
             assert len(worker["models"]) <= 1  # the budget holds one
