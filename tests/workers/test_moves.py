@@ -151,15 +151,22 @@ async def test_a_job_moves_to_a_copy_on_the_same_rung_as_its_own(alice, v2_worke
     assert await busy.receive() == {"type": "preempt", "job_id": ids[1]}
 
 
-async def test_of_two_idle_workers_a_job_goes_to_the_one_whose_copy_is_on_the_faster_rung(alice, v2_workers):
+async def test_between_workers_holding_as_many_a_job_goes_to_the_copy_on_the_faster_rung(alice, v2_workers):
     slow = v2_workers("host-a:0")
     await join_on(slow, "group_offload")  # joined first: a plain tie would go its way
+    submitted = set(await submit_jobs(alice, 3))
+    on_slow = [m["job_id"] for m in await slow.jobs(2)]
     fast = v2_workers("host-b:0")
     await join_on(fast, "full")
+    on_fast = [m["job_id"] for m in await fast.jobs(1)]  # the one left queued, once it is registered
+    assert set(on_slow + on_fast) == submitted
+    await slow.started(on_slow[0])
+    await slow.result(on_slow[0], [PNG_B64])
+    assert await slow.receive() == {"type": "job_ack", "job_id": on_slow[0]}
 
-    job_id, = await submit_jobs(alice, 1)
+    fourth, = await submit_jobs(alice, 1)  # each holds one now
 
-    assert (await fast.jobs(1))[0]["job_id"] == job_id
+    assert (await fast.jobs(1))[0]["job_id"] == fourth
     assert await slow.silent()
 
 
