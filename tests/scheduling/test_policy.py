@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule
 
+from potocolom.protocol.rungs import RUNGS
 from scheduling.policy import (
     HeldJob,
     Holding,
@@ -463,8 +464,10 @@ def dispatch_situations(draw):
                          max_size=30))
     queued = [QueuedJob(f"j{n}", m, p, n, account) for n, (m, p, account) in enumerate(jobs)]
     depth = draw(st.integers(1, 4))
-    workers = [worker(f"w{n}", set(draw(st.sets(st.sampled_from(models), max_size=3))),
-                      held=draw(st.integers(0, depth)), joined=n) for n in range(draw(st.integers(0, 5)))]
+    workers = [worker(f"w{n}", served := set(draw(st.sets(st.sampled_from(models), max_size=3))),
+                      held=draw(st.integers(0, depth)), joined=n,
+                      rungs={m: draw(st.sampled_from(RUNGS)) for m in served})
+               for n in range(draw(st.integers(0, 5)))]
     return queued, workers, depth
 
 

@@ -289,7 +289,6 @@ class ModelsOnDemand:
             self.catalog.step_ms[model_id] = result.step_ms
         if result.capacity is not None:
             self.catalog.capacity[model_id] = result.capacity
-        if result.capacity is not None:
             host.frames.add_model(model_id, pipeline, result.capacity.slots)
         host.sessions.add_model(model_id, pipeline.rung, result.capacity)
         gpu = self._loaded_answer(model_id)
