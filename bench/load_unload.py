@@ -11,7 +11,7 @@ one job per load, and unload_model, and prints per cycle:
 - load s: load_model sent to model_loaded received (reading, placing and, on full, measuring the
   step time and the realtime slots); the first load reads the weights cold (the files' page cache
   dropped with posix_fadvise), later ones from the page cache. Beside it the time bench/placement.py
-  assumes for a load of that size (LOAD_FIXED_SECONDS + needs / LOAD_MIB_PER_SECOND);
+  assumes for a load of that size (bench.placement.load_seconds);
 - step ms: model_loaded's step_ms (measured at load, on full only), and the job's gpu_ms per step;
 - free MiB: the worker's own figure (hello, model_loaded, model_unloaded: NVML on CUDA);
 - allocated / reserved: torch's caching allocator in this process (the worker's), in MiB.
@@ -40,7 +40,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench.placement import LOAD_FIXED_SECONDS, LOAD_MIB_PER_SECOND  # noqa: E402
+from bench.placement import load_seconds  # noqa: E402
 from tests.workers.gpu.fake_api import FakeApi  # noqa: E402
 
 MIB = 2**20
@@ -139,7 +139,6 @@ async def cycles(args: argparse.Namespace, device: str, root: Path, model_id: st
                 alloc_after, reserved_after = allocator(cuda)
                 rows.append({
                     "n": number, "rung": loaded["rung"], "cold": cold, "load_s": load_s,
-                    "model_s": LOAD_FIXED_SECONDS + installed["needs_mib"]["full"] / LOAD_MIB_PER_SECOND,
                     "needs_full": installed["needs_mib"]["full"],
                     "step_ms": loaded.get("step_ms"), "job_ms_per_step": (result.get("gpu_ms") or 0) / args.steps,
                     "free_before": before_free, "free_loaded": (loaded["gpu"] or {}).get("free_mib"),
@@ -171,14 +170,16 @@ def report(rows: list[dict[str, Any]]) -> list[str]:
           f"{'free before':>12}{'loaded':>8}{'after':>8}{'alloc before':>13}{'loaded':>8}{'after':>8}"
           f"{'reserved after':>15}")
     for r in rows:
-        print(f"{r['n']:>2} {r['rung'] + (' cold' if r['cold'] else ''):<14}{r['load_s']:>8.2f}{r['model_s']:>8.2f}"
+        name = r["rung"] + (" cold" if r["cold"] else "")
+        print(f"{r['n']:>2} {name:<14}{r['load_s']:>8.2f}{load_seconds(r['needs_full']):>8.2f}"
               f"{num(r['step_ms'], '.1f'):>9}{r['job_ms_per_step']:>12.1f}{num(r['slots']):>6}"
               f"{num(r['free_before']):>12}{num(r['free_loaded']):>8}{num(r['free_after']):>8}"
               f"{r['alloc_before']:>13.1f}{r['alloc_loaded']:>8.1f}{r['alloc_after']:>8.1f}{r['reserved_after']:>15.1f}")
     warm = [r for r in rows if r["rung"] == "full" and not r["cold"]]
     if warm:  # what bench/placement.py should assume: this time, scaled by the models' needs
         seconds = sum(r["load_s"] for r in warm) / len(warm)
-        print(f"warm loads on full take {seconds:.2f} s against the {warm[0]['model_s']:.2f} s bench/placement.py "
+        assumed = load_seconds(warm[0]["needs_full"])
+        print(f"warm loads on full take {seconds:.2f} s against the {assumed:.2f} s bench/placement.py "
               f"assumes; to replay with this: bench/placement.py --load-fixed-seconds 0 "
               f"--load-mib-per-second {warm[0]['needs_full'] / seconds:.0f}")
     failed = []

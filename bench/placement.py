@@ -110,6 +110,12 @@ SPIKE_SECONDS = 120.0
 MOVE_SECONDS = 0.05
 
 
+def load_seconds(needs_full_mib: float, fixed_seconds: float = LOAD_FIXED_SECONDS,
+                 mib_per_second: float = LOAD_MIB_PER_SECOND) -> float:
+    """How long the replay takes a load of a model needing `needs_full_mib` on rung full to take."""
+    return fixed_seconds + needs_full_mib / mib_per_second
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     model_id: str
@@ -122,7 +128,7 @@ class ModelSpec:
 
     @property
     def load_seconds(self) -> float:
-        return self.load_fixed_seconds + self.needs_mib["full"] / self.load_mib_per_second
+        return load_seconds(self.needs_mib["full"], self.load_fixed_seconds, self.load_mib_per_second)
 
     def seconds(self, rung: str) -> float:
         factor, fixed = RUNG_COST[rung]
@@ -282,6 +288,10 @@ class SimWorker:
         return (self.live[model_id] > 0 or (self.job is not None and self.job.model_id == model_id)
                 or any(j.model_id == model_id for j in self.held) or any(j.model_id == model_id for j in self.incoming))
 
+    def rungs(self) -> dict[str, str]:
+        """model_id -> the rung of its copy here (what the dispatcher learns from the worker)."""
+        return {m: c.rung for m, c in self.copies.items()}
+
     def ready(self, model_id: str) -> bool:
         c = self.copies.get(model_id)
         return c is not None and not c.unloading
@@ -409,7 +419,7 @@ class Fleet:
         by_id = {w.worker_id: w for w in self.workers}
         queues = _Heads(self.queued)
         capacities = [WorkerCapacity(w.worker_id, frozenset(m for m in w.copies if w.ready(m)), w.holds(), i,
-                                     {m: c.rung for m, c in w.copies.items()})
+                                     w.rungs())
                       for i, w in enumerate(self.workers)]
         for a in plan_dispatch(queues, capacities, depth=self.depth):
             w, job = by_id[a.worker_id], queues.popped.pop(a.job.job_id)
@@ -444,7 +454,7 @@ class Fleet:
 
         holdings = [Holding(w.worker_id, frozenset(m for m in w.copies if w.ready(m)), w.holds(),
                             tuple([held(w.job, True)] if w.job else []) + tuple(held(j, False) for j in w.held), i,
-                            {m: c.rung for m, c in w.copies.items()})
+                            w.rungs())
                     for i, w in enumerate(self.workers)]
         for move in plan_moves(holdings):
             job, thief = jobs[move.job_id], by_id[move.to_worker_id]

@@ -107,6 +107,13 @@ class Heads(Protocol):
     def pop_for(self, model_ids: Iterable[str], *, at_us: int | None = None) -> QueuedJob | None: ...
 
 
+def rung_rank(rungs: Mapping[str, str], model_id: str) -> int:
+    """How slow a worker's copy of `model_id` is, from its rungs by model: 0 for rung full (or not
+    known), then down the ladder."""
+    rung = rungs.get(model_id)
+    return RUNGS.index(rung) if rung in RUNGS else 0
+
+
 @dataclass(frozen=True)
 class WorkerCapacity:
     """What the dispatch decision needs to know of one connected worker."""
@@ -119,9 +126,7 @@ class WorkerCapacity:
     rungs: Mapping[str, str] = field(default_factory=dict, hash=False)
 
     def rank(self, model_id: str) -> int:
-        """How slow its copy of `model_id` is: 0 for rung full (or not known), then down the ladder."""
-        rung = self.rungs.get(model_id)
-        return RUNGS.index(rung) if rung in RUNGS else 0
+        return rung_rank(self.rungs, model_id)
 
 
 @dataclass(frozen=True)
@@ -181,9 +186,7 @@ class Holding:
     rungs: Mapping[str, str] = field(default_factory=dict, hash=False)
 
     def rank(self, model_id: str) -> int:
-        """How slow its copy of `model_id` is: 0 for rung full (or not known), then down the ladder."""
-        rung = self.rungs.get(model_id)
-        return RUNGS.index(rung) if rung in RUNGS else 0
+        return rung_rank(self.rungs, model_id)
 
 
 class Preemption(NamedTuple):
