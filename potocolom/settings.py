@@ -109,13 +109,14 @@ PLACEMENT_MIN_RESIDENCY_SECONDS = envfloat("PLACEMENT_MIN_RESIDENCY_SECONDS", 60
 PLACEMENT_FAILED_LOAD_BACKOFF_SECONDS = envfloat("PLACEMENT_FAILED_LOAD_BACKOFF_SECONDS", 60.0, minimum=-1.0)
 # Beyond the contract's rules, for a latency target counted in a job's own run (bench/placement.py):
 # the target wait in queued jobs' own runs (0: PLACEMENT_TARGET_WAIT_SECONDS alone), the trend
-# rule's share (a copy more when a job would find every copy busy more often than this; 0: off),
+# rule's share (a copy more when a job would find every copy busy more often than this, for a model
+# of the fleet's mean size, scaled by the model's size; 0: off),
 # and the burst rule (a copy more at once when the last window's arrivals would keep every copy
 # busier than the share; 0: off).
 PLACEMENT_TARGET_WAIT_JOBS = envfloat("PLACEMENT_TARGET_WAIT_JOBS", 0.0, minimum=-1e-9)
-PLACEMENT_COPY_BUSY_SHARE = envfloat("PLACEMENT_COPY_BUSY_SHARE", 0.2, minimum=-1e-9, maximum=1.0)
+PLACEMENT_COPY_BUSY_SHARE = envfloat("PLACEMENT_COPY_BUSY_SHARE", 0.4, minimum=-1e-9, maximum=1.0)
 PLACEMENT_BURST_WINDOW_SECONDS = envfloat("PLACEMENT_BURST_WINDOW_SECONDS", 10.0)
-PLACEMENT_BURST_BUSY_SHARE = envfloat("PLACEMENT_BURST_BUSY_SHARE", 0.8, minimum=-1e-9, maximum=1.0)
+PLACEMENT_BURST_BUSY_SHARE = envfloat("PLACEMENT_BURST_BUSY_SHARE", 0.95, minimum=-1e-9, maximum=1.0)
 # ... and unloading spare copies on a rung more than twice as slow as full (group offload) while a
 # full copy elsewhere carries their model's work: a job sent there is late by itself (off: rule 2
 # unloads only for another model's memory).

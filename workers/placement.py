@@ -32,23 +32,24 @@ class PlacementSettings:
         default_factory=lambda: {"full": 0.0, "model_offload": 0.8, "group_offload": 0.0})
     default_job_steps: int = 25  # steps a job is taken to have when none is queued (for rung_job_seconds)
     # The trend rule (periodic): a model whose recent arrivals (ModelDemand.recent_steps over
-    # demand_window_seconds) would keep its copies busy more than copy_busy_share of the time gets
-    # another copy, before a queue forms; 0 turns it off. A share of 0.5 keeps the chance that a
-    # job queues behind another low (M/D/c), which a job budget of a few times its own run needs.
+    # demand_window_seconds) would keep every copy's worker busy more than its share of the time
+    # gets another copy, before a queue forms; 0 turns it off. The share is copy_busy_share for a
+    # model of the fleet's mean size and scales with the model's size (_Plan._copy_share): a copy of
+    # a model a third of the mean size takes a third of the memory, so it is worth adding sooner.
     copy_max_step_factor: float = 2.0  # the periodic rule adds no copy on a rung slower than this (group offload)
     # 0: the target wait is PLACEMENT_TARGET_WAIT_SECONDS alone; N > 0: at most N of the model's
     # queued jobs' own run on full (an operator's choice for an SLO counted in a job's own time).
     target_wait_jobs: float = 0.0
     retire_slow_copies: bool = False  # see _Plan.retire_slow_copies: beyond the contract, off by default
     demand_window_seconds: float = 60.0
-    copy_busy_share: float = 0.2
+    copy_busy_share: float = 0.4
     # The burst rule (every run, events too): a model whose arrivals over the last
     # burst_window_seconds (ModelDemand.burst_steps) would keep every copy's worker busy more than
     # burst_busy_share of the time gets one more copy at once, while none is loading (0 turns it
     # off). A spike that saturates a copy shows within seconds, long before a 60 s trend or a queue
     # past the target wait; the high share keeps a few jobs' noise from loading anything.
     burst_window_seconds: float = 10.0
-    burst_busy_share: float = 0.8
+    burst_busy_share: float = 0.95
 
 
 @dataclass(frozen=True)
@@ -174,11 +175,13 @@ def plan_placement(demand: Iterable[ModelDemand], workers: Iterable[WorkerState]
     Rule 2 counts a copy's throughput by its rung (rung_step_factor, rung_job_seconds) and by the
     share of its worker that other models' recent arrivals leave; the target wait may be counted in
     the model's own job runs (target_wait_jobs); with ModelDemand.recent_steps it also adds a copy
-    when a job would find every copy's worker busy more than copy_busy_share of the time (the
-    trend), never on a rung slower than copy_max_step_factor. A session waiting while every full
-    copy's slots are taken gets a full copy at once (on an event too). A load prefers, in order: a
-    rung no slower than copy_max_step_factor, unloads that leave every model a ready copy, the
-    highest rung.
+    when a job would find every copy's worker busy more than the model's share of the time (the
+    trend; _copy_share: copy_busy_share scaled by the model's size), never on a rung slower than
+    copy_max_step_factor. Rule 2, the trend and the burst rule unload the copies of the models
+    with the most ready copies first, then the least recently used; rule 1 the least recently
+    used. A session waiting while every full copy's slots are taken gets a full copy at once (on
+    an event too). A load prefers, in order: a rung no slower than copy_max_step_factor, unloads
+    that leave every model a ready copy, the highest rung.
     With retire_slow_copies (off: beyond the contract) spare copies on slow rungs are unloaded.
 
     Never: past a worker's free memory (pending and planned loads and unloads counted), unloading a
@@ -246,6 +249,9 @@ class _Plan:
         self.now = now
         self.settings = settings
         self.actions: list[PlacementAction] = []
+        # each model's size (its largest rung's needs) and the mean over the fleet's models, for copy_share
+        self.sizes = {m.model_id: max(m.needs_mib.values(), default=0) for w in workers for m in w.installed.values()}
+        self.mean_size = sum(self.sizes.values()) / len(self.sizes) if self.sizes else 0.0
 
     # rule 1 ---------------------------------------------------------------------------------
 
@@ -266,7 +272,7 @@ class _Plan:
 
     def rule_2(self) -> None:
         """Add copies where queued work per copy exceeds the target wait, or where the recent
-        arrivals would keep the copies busier than `copy_busy_share` (the trend: a copy in place
+        arrivals would keep the copies busier than the model's `_copy_share` (the trend: a copy in place
         before the queue forms); one more full copy for sessions still waiting when every full
         copy is in place (its slots taken)."""
         by_wait = sorted(self.models.values(), key=lambda d: (-self._wait_seconds(d), d.model_id))
@@ -326,11 +332,22 @@ class _Plan:
         if (wait := self._wait_seconds(d)) > target:
             return (f"{d.queued_steps} queued steps are {wait:,.1f} s of work over "
                     f"{self._copies_text(d.model_id)}, above the {target:g} s target wait")
-        share = self.settings.copy_busy_share
+        share = self._copy_share(d.model_id)
         if share > 0 and (busy := self._busy_share(d)) > share:
             return (f"{d.recent_steps} steps came in the last {self.settings.demand_window_seconds:g} s: "
                     f"a job finds {self._copies_text(d.model_id)} busy {busy:.0%} of the time, above {share:.0%}")
         return None
+
+    def _copy_share(self, model_id: str) -> float:
+        """The trend rule's share for `model_id`: copy_busy_share times the model's size over the mean
+        size of the fleet's installed models (at most 1.0). Memory is what a copy costs: at 24 GiB
+        workers a copy of an SD-1.5-sized model takes a quarter of an SD3-sized one's, so it is
+        worth adding at a lower chance of finding every copy busy, and a large model's copy only at
+        a higher one (docs/design/placement.md, "Copies priced by their memory")."""
+        share = self.settings.copy_busy_share
+        if share <= 0 or not self.mean_size or model_id not in self.sizes:
+            return share
+        return min(1.0, share * self.sizes[model_id] / self.mean_size)
 
     def _target_wait(self, d: ModelDemand) -> float:
         """The target wait for `d`'s model: PLACEMENT_TARGET_WAIT_SECONDS, or less when
@@ -491,12 +508,17 @@ class _Plan:
         return failed_at is not None and self.now - failed_at < self.settings.failed_load_backoff_seconds
 
     def _evictable(self, w: _Worker, idle_only: bool, burst: bool = False) -> list[LoadedModel]:
-        """`w`'s models that may give way, least recently used first: not busy, not API-loaded within
-        the minimum residency, not the last copy of a model work waits for, and for the periodic rule
-        idle for `idle_seconds` with no work waiting for it. For the burst rule also a spare copy
-        however recently used (_surplus): a burst cannot wait for a copy to idle; a copy more for a
-        trend or a queue can, and taking spare copies for those too cost a fifth to a quarter more
-        loads for about the same attainment (docs/design/placement.md)."""
+        """`w`'s models that may give way: not busy, not API-loaded within the minimum residency, not
+        the last copy of a model work waits for, and for the periodic rule idle for `idle_seconds`
+        with no work waiting for it. For the burst rule also a spare copy however recently used
+        (_surplus): a burst cannot wait for a copy to idle; a copy more for a trend or a queue can,
+        and taking spare copies for those too cost a fifth to a quarter more loads for about the
+        same attainment (docs/design/placement.md).
+
+        Rule 1 takes them least recently used first (the contract's words). Rule 2 and the burst rule
+        take first the copies of the models with the most ready copies, then the least recently
+        used: a model left with one copy is the one whose next arrivals want a copy back, so taking
+        its second copy tends to cost a load again minutes later."""
         out = []
         for m in w.loaded.values():
             if m.busy or m.model_id in w.untouchable:
@@ -511,6 +533,8 @@ class _Plan:
             if m.model_id in self.wanted and (idle_only or self._ready(m.model_id) <= 1):
                 continue
             out.append(m)
+        if idle_only:
+            return sorted(out, key=lambda m: (-self._ready(m.model_id), m.last_used, m.model_id))
         return sorted(out, key=lambda m: (m.last_used, m.model_id))
 
     def _surplus(self, w: _Worker, model_id: str) -> bool:
@@ -523,7 +547,7 @@ class _Plan:
         d = self.models.get(model_id)
         if d is None:
             return True
-        share = self.settings.copy_busy_share  # half the thresholds: no copy taken that would be wanted back soon
+        share = self._copy_share(model_id)  # half the thresholds: no copy taken that would be wanted back soon
         return (self._wait_seconds(d, without=w) <= self._target_wait(d) / 2
                 and (share <= 0 or self._busy_share(d, without=w) <= share / 2)
                 and not (d.waiting_sessions and w.copies[model_id] == RUNG_FULL))

@@ -166,21 +166,22 @@ PERIODIC_CASES = [
     pytest.param([jobs("xl", n=10)], [worker("w1", 0, held("xl", rung="group_offload", mib=3_400)),
                                       worker("w2", 20_000)],
                  [("load", "w2", "xl", "full")], id="it-counts-a-copy-on-a-slower-rung-for-less"),
-    # 600 steps in the last 60 s x 75 ms: the one copy's worker busy 75 % of the time, above the
-    # 20 % chance of finding every copy busy; two copies: 37.5 % each, 14 % both
-    pytest.param([ModelDemand("xl", recent_steps=600)],
+    # 700 steps in the last 60 s x 75 ms: the one copy's worker busy 87.5 % of the time, above xl's
+    # share of the chance of finding every copy busy (40 % x 9,800 MiB over the fleet's mean model,
+    # 5,067 MiB: 77 %); two copies: 44 % each, 19 % both
+    pytest.param([ModelDemand("xl", recent_steps=700)],
                  [worker("w1", 0, held("xl", mib=9_800)), worker("w2", 20_000), worker("w3", 20_000)],
                  [("load", "w2", "xl", "full")],
                  id="it-adds-a-copy-from-the-trend-before-a-queue-forms"),
     pytest.param([ModelDemand("xl", recent_steps=100)],
                  [worker("w1", 0, held("xl", mib=9_800)), worker("w2", 20_000)], [],
                  id="it-adds-no-copy-while-the-trend-keeps-its-copies-mostly-free"),
-    pytest.param([ModelDemand("xl", recent_steps=600)],
+    pytest.param([ModelDemand("xl", recent_steps=700)],
                  [worker("w1", 0, held("xl", mib=9_800)), worker("w2", 20_000, held("sd", mib=2_700)),
                   worker("w3", 20_000, held("anime", mib=2_700))],
                  [("load", "w2", "xl", "full")],
                  id="it-puts-a-copy-on-the-worker-least-busy-with-other-models-recent-work"),
-    pytest.param([ModelDemand("xl", recent_steps=600), ModelDemand("anime", recent_steps=1_500)],
+    pytest.param([ModelDemand("xl", recent_steps=700), ModelDemand("anime", recent_steps=1_500)],
                  [worker("w1", 0, held("xl", mib=9_800)), worker("w2", 20_000, held("anime")),
                   worker("w3", 20_000, held("anime")), worker("w4", 20_000)],
                  [("load", "w4", "xl", "full")],
@@ -211,6 +212,40 @@ PERIODIC_CASES = [
 @pytest.mark.parametrize("demand, workers, expected", PERIODIC_CASES)
 def test_it_plans_periodically_by_rules_1_and_2(demand, workers, expected):
     assert brief(plan_placement(demand, workers, now=NOW, periodic=True)) == expected
+
+
+def test_it_adds_a_copy_of_a_small_model_sooner_than_of_a_large_one():
+    # Both models' recent arrivals keep their one copy's worker busy half the time. The trend
+    # rule's share is priced by memory: 40 % x size / the fleet's mean model (5,067 MiB): sd's
+    # 2,700 MiB copy is worth adding above 21 %, xl's 9,800 MiB one only above 77 %.
+    fleet = [worker("w1", 0, held("sd")), worker("w2", 0, held("xl", mib=9_800)), worker("w3", 20_000)]
+    half = [ModelDemand("sd", recent_steps=1_000), ModelDemand("xl", recent_steps=400)]
+
+    (load,) = plan_placement(half, fleet, now=NOW, periodic=True)
+
+    assert brief([load]) == [("load", "w3", "sd", "full")]
+    assert load.reason.endswith("busy 50% of the time, above 21%")
+    flat = PlacementSettings(copy_busy_share=0.4)
+    assert plan_placement([ModelDemand("xl", recent_steps=600)], fleet, now=NOW, periodic=True, settings=flat) == []
+    assert brief(plan_placement([ModelDemand("xl", recent_steps=700)], fleet, now=NOW, periodic=True,
+                                settings=flat)) == [("load", "w3", "xl", "full")]
+
+
+def idle_pair(**kw) -> list[WorkerState]:
+    """w2's two idle copies: sd (also on w3) and anime (its only copy, used longer ago); either
+    makes room for xl on model_offload."""
+    return [worker("w2", 3_000, held("sd", last_used=NOW - 400), held("anime", last_used=NOW - 500)),
+            worker("w3", 0, held("sd", busy=True))] + [worker("w1", 0, held("xl", mib=9_800))] * kw.get("xl", 1)
+
+
+def test_it_takes_a_copy_of_the_model_with_most_copies_first_for_rule_2():
+    assert brief(plan_placement([jobs("xl", n=50)], idle_pair(), now=NOW, periodic=True)) == [
+        ("unload", "w2", "sd", None), ("load", "w2", "xl", "model_offload")]
+
+
+def test_it_takes_the_least_recently_used_model_first_for_rule_1():
+    assert brief(plan_placement([jobs("xl")], idle_pair(xl=0), now=NOW)) == [
+        ("unload", "w2", "anime", None), ("load", "w2", "xl", "model_offload")]
 
 
 def test_it_counts_the_target_wait_in_the_jobs_own_runs_when_told():
@@ -259,9 +294,9 @@ def burst(model_id: str, steps: int) -> ModelDemand:
     return ModelDemand(model_id, burst_steps=steps)
 
 
-# 120 steps in the last 10 s x 75 ms: the one copy's worker busy 90 % of the time, above 80 %
+# 132 steps in the last 10 s x 75 ms: the one copy's worker busy 99 % of the time, above 95 %
 BURST_CASES = [
-    pytest.param([burst("xl", 120)], [worker("w1", 0, held("xl", mib=9_800)), worker("w2", 20_000)],
+    pytest.param([burst("xl", 132)], [worker("w1", 0, held("xl", mib=9_800)), worker("w2", 20_000)],
                  [("load", "w2", "xl", "full")], id="it-adds-a-copy-at-once-for-a-burst"),
     pytest.param([burst("xl", 80)], [worker("w1", 0, held("xl", mib=9_800)), worker("w2", 20_000)], [],
                  id="it-adds-no-copy-for-a-few-jobs-within-the-share"),
@@ -269,19 +304,19 @@ BURST_CASES = [
                                       worker("w2", 10_000, loading=[PendingLoad("xl", "full")]),
                                       worker("w3", 20_000)], [],
                  id="it-waits-for-the-copy-on-its-way-before-adding-another"),
-    pytest.param([burst("xl", 120)], [worker("w1", 0, held("xl", mib=9_800)),
+    pytest.param([burst("xl", 132)], [worker("w1", 0, held("xl", mib=9_800)),
                                       worker("w2", 0, held("sd", last_used=NOW - 5))], [],
                  id="it-takes-no-memory-from-a-models-only-copy-in-use"),
-    pytest.param([burst("xl", 120)], [worker("w1", 0, held("xl", mib=9_800)), worker("w2", 4_000)], [],
+    pytest.param([burst("xl", 132)], [worker("w1", 0, held("xl", mib=9_800)), worker("w2", 4_000)], [],
                  id="it-adds-no-copy-on-a-rung-slower-than-copy-max-step-factor"),
-    pytest.param([burst("xl", 120)], [worker("w1", 0), worker("w2", 20_000)], [],
+    pytest.param([burst("xl", 132)], [worker("w1", 0), worker("w2", 20_000)], [],
                  id="it-leaves-a-model-with-no-copy-and-no-queue-to-rule-1"),
-    pytest.param([burst("xl", 120)], [worker("w1", 0, held("xl", mib=9_800)),
+    pytest.param([burst("xl", 132)], [worker("w1", 0, held("xl", mib=9_800)),
                                       worker("w2", 7_500, held("sd", last_used=NOW - 5)),
                                       worker("w3", 0, held("sd", busy=True))],
                  [("unload", "w2", "sd", None), ("load", "w2", "xl", "full")],
                  id="it-takes-a-spare-copy-however-recently-used"),
-    pytest.param([burst("xl", 120), ModelDemand("sd", recent_steps=3_000)],
+    pytest.param([burst("xl", 132), ModelDemand("sd", recent_steps=3_000)],
                  [worker("w1", 0, held("xl", mib=9_800)), worker("w2", 7_500, held("sd", last_used=NOW - 5)),
                   worker("w3", 0, held("sd", busy=True))], [("load", "w2", "xl", "model_offload")],
                  id="it-keeps-a-second-copy-its-models-trend-wants-and-takes-a-lower-rung"),
@@ -307,17 +342,17 @@ def test_it_plans_nothing_for_a_burst_when_the_burst_rule_is_off():
 def test_it_says_why_a_burst_loads():
     fleet = [worker("w1", 0, held("xl", mib=9_800)), worker("w2", 20_000)]
 
-    (load,) = plan_placement([burst("xl", 120)], fleet, now=NOW)
+    (load,) = plan_placement([burst("xl", 132)], fleet, now=NOW)
 
-    assert load.reason == ("load: a burst: 120 steps came in the last 10 s: a job finds 1 copy on w1 (full) "
-                           "busy 90% of the time, above 80%")
+    assert load.reason == ("load: a burst: 132 steps came in the last 10 s: a job finds 1 copy on w1 (full) "
+                           "busy 99% of the time, above 95%")
 
 
 def test_it_says_a_burst_took_a_spare_copy():
     fleet = [worker("w1", 0, held("xl", mib=9_800)), worker("w2", 7_500, held("sd", last_used=NOW - 5)),
              worker("w3", 0, held("sd", busy=True))]
 
-    unload, _ = plan_placement([burst("xl", 120)], fleet, now=NOW)
+    unload, _ = plan_placement([burst("xl", 132)], fleet, now=NOW)
 
     assert unload.reason == ("unload: frees 2,700 MiB for xl (a spare copy, last used 5 s ago, "
                              "holds no job or session)")
