@@ -249,7 +249,7 @@ class _Plan:
         self.now = now
         self.settings = settings
         self.actions: list[PlacementAction] = []
-        # each model's size (its largest rung's needs) and the mean over the fleet's models, for copy_share
+        # each model's size (its largest rung's needs) and the mean over the fleet's models, for _copy_share
         self.sizes = {m.model_id: max(m.needs_mib.values(), default=0) for w in workers for m in w.installed.values()}
         self.mean_size = sum(self.sizes.values()) / len(self.sizes) if self.sizes else 0.0
 
