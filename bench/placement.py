@@ -31,11 +31,11 @@ rule 2: for information). The API is modelled as feeding the planner each model'
 (ModelDemand.recent_steps over demand_window_seconds, burst_steps over burst_window_seconds) on
 every arrival and every PLACEMENT_SECONDS, and as dispatching jobs the way it does
 (scheduling.policy.plan_dispatch: to the worker holding the fewest, up to JOB_DISPATCH_DEPTH, 2,
-a worker; --dispatch-depth), and as moving a job held behind another to a worker that holds none
-(scheduling.policy.plan_moves, MOVE_SECONDS later; --no-moves leaves it waiting there). It prints
-the trace's offered load against the fleet's capacity, and counts the late jobs by what they met
-first (no copy when they came, a queue, a slower rung: group offload's step is 3.7x full's, so a
-job there misses a 3x budget by itself).
+a worker; --dispatch-depth; a copy on group offload only as overflow), and as moving a job held
+behind another to a worker that holds none (scheduling.policy.plan_moves, MOVE_SECONDS later;
+--no-moves leaves it waiting there). It prints the trace's offered load against the fleet's
+capacity, and counts the late jobs by what they met first (no copy when they came, a queue, a
+slower rung: group offload's step is 3.7x full's, so a job there misses a 3x budget by itself).
 
 A load takes --load-fixed-seconds plus the model's full needs at --load-mib-per-second (assumed:
 1 s and 1,500 MiB/s; bench/load_unload.py measures a real one on a GPU host and prints the options).

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol, TypeVar
 
-from potocolom.protocol.rungs import RUNGS
+from potocolom.protocol.rungs import RUNG_GROUP_OFFLOAD, RUNGS
 
 T = TypeVar("T")
 
@@ -107,6 +107,12 @@ class Heads(Protocol):
     def pop_for(self, model_ids: Iterable[str], *, at_us: int | None = None) -> QueuedJob | None: ...
 
 
+# A copy on this rung or a slower one runs a job at several times full's step (group offload: 3.7x,
+# docs/design/memory-ladder.md), so a job sent there misses a budget of a few runs by itself: such a
+# copy takes a model's jobs only as overflow, while no faster copy of the model has room.
+OVERFLOW_RANK = RUNGS.index(RUNG_GROUP_OFFLOAD)
+
+
 def rung_rank(rungs: Mapping[str, str], model_id: str) -> int:
     """How slow a worker's copy of `model_id` is, from its rungs by model: 0 for rung full (or not
     known), then down the ladder."""
@@ -142,19 +148,32 @@ def plan_dispatch(queues: Heads, workers: Sequence[WorkerCapacity], *, depth: in
     A worker never holds more than `depth` unfinished jobs. Each job goes to the least-loaded
     worker that serves its model; on a tie, to the one whose copy of the model is on the fastest
     memory rung (a job on group offload runs several times as long), then the earliest joined.
-    Among the jobs a worker can take it gets the next in fair-share order. `at_us`: the dispatch
-    time, each later pop one microsecond on.
+    A copy on group offload is overflow: it serves its model only while no faster copy of that
+    model (among `workers`) has room. Among the jobs a worker can take it gets the next in
+    fair-share order. `at_us`: the dispatch time, each later pop one microsecond on.
     """
     held = {w.worker_id: w.held for w in workers}
+    fastest: dict[str, int] = {}
+    for w in workers:
+        for model_id in w.models:
+            fastest[model_id] = min(fastest.get(model_id, len(RUNGS)), w.rank(model_id))
+
+    def overflow(w: WorkerCapacity, model_id: str) -> bool:
+        """`w`'s copy of the model is on group offload (or slower) while another is faster."""
+        return w.rank(model_id) >= OVERFLOW_RANK and w.rank(model_id) > fastest[model_id]
+
     assignments: list[Assignment] = []
     while True:
         candidates = sorted((w for w in workers if held[w.worker_id] < depth),
                             key=lambda w: (held[w.worker_id], w.joined))
+        roomy = {m for w in candidates for m in w.models if not overflow(w, m)}  # a fast copy has room
+        serves = {w.worker_id: frozenset(m for m in w.models if m not in roomy or not overflow(w, m))
+                  for w in candidates}
         for worker in candidates:
-            job = queues.pop_for(worker.models, at_us=None if at_us is None else at_us + len(assignments))
+            job = queues.pop_for(serves[worker.worker_id], at_us=None if at_us is None else at_us + len(assignments))
             if job is not None:
                 tied = [w for w in candidates
-                        if held[w.worker_id] == held[worker.worker_id] and job.model_id in w.models]
+                        if held[w.worker_id] == held[worker.worker_id] and job.model_id in serves[w.worker_id]]
                 chosen = min(tied, key=lambda w: (w.rank(job.model_id), w.joined))
                 held[chosen.worker_id] += 1
                 assignments.append(Assignment(job, chosen.worker_id))

@@ -153,7 +153,7 @@ async def test_a_job_moves_to_a_copy_on_the_same_rung_as_its_own(alice, v2_worke
 
 async def test_between_workers_holding_as_many_a_job_goes_to_the_copy_on_the_faster_rung(alice, v2_workers):
     slow = v2_workers("host-a:0")
-    await join_on(slow, "group_offload")  # joined first: a plain tie would go its way
+    await join_on(slow, "model_offload")  # joined first: a plain tie would go its way
     submitted = set(await submit_jobs(alice, 3))
     on_slow = [m["job_id"] for m in await slow.jobs(2)]
     fast = v2_workers("host-b:0")
@@ -170,6 +170,26 @@ async def test_between_workers_holding_as_many_a_job_goes_to_the_copy_on_the_fas
     assert await slow.silent()
 
 
+async def test_a_copy_on_group_offload_takes_a_job_only_while_no_faster_copy_has_room(alice, v2_workers):
+    slow = v2_workers("host-a:0")
+    await join_on(slow, "group_offload")
+    submitted = set(await submit_jobs(alice, 3))
+    on_slow = [m["job_id"] for m in await slow.jobs(2)]
+    fast = v2_workers("host-b:0")
+    await join_on(fast, "full")
+    on_fast = [m["job_id"] for m in await fast.jobs(1)]  # the one left queued, once it is registered
+    assert set(on_slow + on_fast) == submitted
+    for job_id in on_slow:  # slow holds none now, fast one
+        await slow.started(job_id)
+        await slow.result(job_id, [PNG_B64])
+        assert await slow.receive() == {"type": "job_ack", "job_id": job_id}
+
+    fourth, fifth = await submit_jobs(alice, 2)
+
+    assert [m["job_id"] for m in await fast.jobs(1)] == [fourth]  # the less loaded copy waits ...
+    assert [m["job_id"] for m in await slow.jobs(1)] == [fifth]  # ... until the faster one is full
+
+
 async def test_a_copy_demoted_to_a_slower_rung_takes_no_job_waiting_on_a_faster_one(alice, v2_workers):
     busy = v2_workers("host-a:0")
     running_id, = await submit_jobs(alice, 1)
@@ -181,8 +201,8 @@ async def test_a_copy_demoted_to_a_slower_rung_takes_no_job_waiting_on_a_faster_
     await demoted.send({"type": "rung_changed", "model_id": "tiny-a", "rung": "group_offload", "realtime": False,
                         "frame_ms_p95": None, "realtime_slots": 0})
     submitted = set(await submit_jobs(alice, 2))
-    its_own = (await demoted.jobs(1))[0]["job_id"]  # the less loaded first, whatever its rung
-    waiting = (await busy.jobs(1))[0]["job_id"]
+    waiting = (await busy.jobs(1))[0]["job_id"]  # busy's room first: a copy on group offload is overflow
+    its_own = (await demoted.jobs(1))[0]["job_id"]
     assert {its_own, waiting} == submitted
 
     await demoted.result(its_own, [PNG_B64])
