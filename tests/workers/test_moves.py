@@ -151,15 +151,22 @@ async def test_a_job_moves_to_a_copy_on_the_same_rung_as_its_own(alice, v2_worke
     assert await busy.receive() == {"type": "preempt", "job_id": ids[1]}
 
 
-async def test_between_workers_holding_as_many_a_job_goes_to_the_copy_on_the_faster_rung(alice, v2_workers):
+async def slow_then_fast(alice, v2_workers, rung: str):
+    """`slow` joins first on `rung` and takes two of three jobs; `fast` joins on full and takes the
+    one left queued (which also shows it is registered). Returns them and the jobs `slow` holds."""
     slow = v2_workers("host-a:0")
-    await join_on(slow, "model_offload")  # joined first: a plain tie would go its way
+    await join_on(slow, rung)  # joined first: a plain tie would go its way
     submitted = set(await submit_jobs(alice, 3))
     on_slow = [m["job_id"] for m in await slow.jobs(2)]
     fast = v2_workers("host-b:0")
     await join_on(fast, "full")
-    on_fast = [m["job_id"] for m in await fast.jobs(1)]  # the one left queued, once it is registered
+    on_fast = [m["job_id"] for m in await fast.jobs(1)]
     assert set(on_slow + on_fast) == submitted
+    return slow, fast, on_slow
+
+
+async def test_between_workers_holding_as_many_a_job_goes_to_the_copy_on_the_faster_rung(alice, v2_workers):
+    slow, fast, on_slow = await slow_then_fast(alice, v2_workers, "model_offload")
     await slow.started(on_slow[0])
     await slow.result(on_slow[0], [PNG_B64])
     assert await slow.receive() == {"type": "job_ack", "job_id": on_slow[0]}
@@ -171,14 +178,7 @@ async def test_between_workers_holding_as_many_a_job_goes_to_the_copy_on_the_fas
 
 
 async def test_a_copy_on_group_offload_takes_a_job_only_while_no_faster_copy_has_room(alice, v2_workers):
-    slow = v2_workers("host-a:0")
-    await join_on(slow, "group_offload")
-    submitted = set(await submit_jobs(alice, 3))
-    on_slow = [m["job_id"] for m in await slow.jobs(2)]
-    fast = v2_workers("host-b:0")
-    await join_on(fast, "full")
-    on_fast = [m["job_id"] for m in await fast.jobs(1)]  # the one left queued, once it is registered
-    assert set(on_slow + on_fast) == submitted
+    slow, fast, on_slow = await slow_then_fast(alice, v2_workers, "group_offload")
     for job_id in on_slow:  # slow holds none now, fast one
         await slow.started(job_id)
         await slow.result(job_id, [PNG_B64])
