@@ -225,10 +225,11 @@ def test_it_adds_a_copy_of_a_small_model_sooner_than_of_a_large_one():
 
     assert brief([load]) == [("load", "w3", "sd", "full")]
     assert load.reason.endswith("busy 50% of the time, above 21%")
-    flat = PlacementSettings(copy_busy_share=0.4)
-    assert plan_placement([ModelDemand("xl", recent_steps=600)], fleet, now=NOW, periodic=True, settings=flat) == []
-    assert brief(plan_placement([ModelDemand("xl", recent_steps=700)], fleet, now=NOW, periodic=True,
-                                settings=flat)) == [("load", "w3", "xl", "full")]
+    # xl's own share, 77 %: 600 steps (its copy busy 75 %) add nothing, 700 (87.5 %) a copy
+    assert plan_placement([ModelDemand("xl", recent_steps=600)], fleet, now=NOW, periodic=True) == []
+    (xl,) = plan_placement([ModelDemand("xl", recent_steps=700)], fleet, now=NOW, periodic=True)
+    assert brief([xl]) == [("load", "w3", "xl", "full")]
+    assert xl.reason.endswith("busy 88% of the time, above 77%")
 
 
 def idle_pair(**kw) -> list[WorkerState]:
