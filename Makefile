@@ -23,7 +23,7 @@ run: $(VENV)/.installed
 
 lint: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy potocolom models_registry scheduling realtime workers
+	$(VENV)/bin/mypy potocolom models_registry workers scheduling realtime fleet gpuworker
 	$(VENV)/bin/lint-imports --no-cache
 
 test: lint

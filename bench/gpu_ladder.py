@@ -48,7 +48,7 @@ def make_sd15_sized_model(directory: Path, device: str) -> Path:
     from diffusers import AutoencoderKL, EulerDiscreteScheduler, StableDiffusionPipeline, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
-    from workers.gpu.tiny import TOKENIZER_MAX_LENGTH, tiny_manifest, write_tokenizer_files
+    from gpuworker.tiny import TOKENIZER_MAX_LENGTH, tiny_manifest, write_tokenizer_files
 
     write_tokenizer_files(directory / "tokenizer")
     tokenizer = CLIPTokenizer.from_pretrained(str(directory / "tokenizer"), model_max_length=TOKENIZER_MAX_LENGTH)
@@ -81,7 +81,7 @@ def make_sd15_sized_model(directory: Path, device: str) -> Path:
 
 def footprint_at(model: Any, pipe: Any, size: int) -> Any:
     """The ladder's footprint for a size x size image instead of the manifest's largest."""
-    from workers.gpu.footprints import pipeline_footprint
+    from gpuworker.footprints import pipeline_footprint
 
     return pipeline_footprint(model.model_id, pipe, model.params_schema, size=(size, size))
 
@@ -109,8 +109,8 @@ def run_rows(model: Any, device: str, size: int, steps: int) -> None:
     import numpy as np
     import torch
 
-    from workers.gpu.ladder import mib
-    from workers.gpu.pipelines import DiffusersPipeline, offload_dir_for
+    from gpuworker.ladder import mib
+    from gpuworker.pipelines import DiffusersPipeline, offload_dir_for
 
     cuda = device.startswith("cuda")
     params = {"prompt": "a lighthouse at dusk", "width": size, "height": size, "steps": steps, "seed": 7}
@@ -146,8 +146,8 @@ def measure_frames(model: Any, device: str, size: int, budget_ms: float) -> None
     1, 2, 4, ... (the worker's own measure_batches, as at load), and the slots it would advertise."""
     from PIL import Image as PILImage
 
-    from workers.gpu.pipelines import DEFAULT_GUIDANCE_SCALE, DiffusersPipeline, FrameRequest
-    from workers.gpu.slots import (
+    from gpuworker.pipelines import DEFAULT_GUIDANCE_SCALE, DiffusersPipeline, FrameRequest
+    from gpuworker.slots import (
         BATCH_CAP,
         MEASURE_STRENGTH,
         SESSION_STEPS,
@@ -179,8 +179,8 @@ def measure_frames(model: Any, device: str, size: int, budget_ms: float) -> None
 
 def show_plans(footprints: list[Any]) -> None:
     """plan_rungs for the models in load order at budgets where the largest one changes rung."""
+    from gpuworker.ladder import MIB, mib, plan_rungs
     from potocolom.protocol.rungs import RUNGS
-    from workers.gpu.ladder import MIB, mib, plan_rungs
 
     print("\nthe ladder's plan (load order " + " then ".join(f.model_id for f in footprints) + ")")
     largest = max(footprints, key=lambda f: f.weights_bytes)
@@ -198,7 +198,7 @@ def peak_of(model: Any, device: str, rung: str, params: dict[str, Any]) -> float
     """Peak bytes of one job on `rung` (inf when it does not fit at all)."""
     import torch
 
-    from workers.gpu.pipelines import DiffusersPipeline, OutOfMemory
+    from gpuworker.pipelines import DiffusersPipeline, OutOfMemory
 
     pipeline = DiffusersPipeline.load(model, device, rung)
     torch.cuda.reset_peak_memory_stats()
@@ -223,9 +223,9 @@ def demote_once(model: Any, device: str, size: int, steps: int) -> None:
     """One job at a hungry size on full under auto: out of memory, moved down, retried."""
     import torch
 
-    from workers.gpu.jobs import DenoiseLoop, HeldJob, JobTiming
-    from workers.gpu.ladder import mib
-    from workers.gpu.pipelines import DiffusersPipeline, InjectedOutOfMemory
+    from gpuworker.jobs import DenoiseLoop, HeldJob, JobTiming
+    from gpuworker.ladder import mib
+    from gpuworker.pipelines import DiffusersPipeline, InjectedOutOfMemory
 
     cuda = device.startswith("cuda")
     params = {"prompt": "a very large lighthouse", "width": size, "height": size, "steps": steps, "seed": 3}
@@ -289,10 +289,10 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
-    from workers.gpu.installed import read_manifest
-    from workers.gpu.placement import read_modules
-    from workers.gpu.tiny import make_tiny_model
-    from workers.gpu.vram import VramBudget
+    from gpuworker.installed import read_manifest
+    from gpuworker.tiny import make_tiny_model
+    from gpuworker.vram import VramBudget
+    from gpuworker.weights import read_modules
 
     if args.threads:
         torch.set_num_threads(args.threads)

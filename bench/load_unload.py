@@ -2,8 +2,8 @@
 issue 12): how long a load takes, the step time the worker reports, and whether an unload gives
 the device memory back.
 
-The real worker client (workers.gpu.main.build_client, `--preload none`) serves a fake API's socket
-(tests.workers.gpu.fake_api: the wire messages, nothing else) with one installed model: on CUDA a
+The real worker client (gpuworker.main.build_client, `--preload none`) serves a fake API's socket
+(tests.gpuworker.fake_api: the wire messages, nothing else) with one installed model: on CUDA a
 random-weight pipeline sized like Stable Diffusion 1.5 (bench/gpu_ladder.py, 2.1 GB in float16),
 on CPU the tiny model. The API side sends load_model (each rung in turn, full again at the end),
 one job per load, and unload_model, and prints per cycle:
@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from bench.placement import load_seconds  # noqa: E402
-from tests.workers.gpu.fake_api import FakeApi  # noqa: E402
+from tests.gpuworker.fake_api import FakeApi  # noqa: E402
 
 MIB = 2**20
 RUNG_ORDER = ("full", "model_offload", "group_offload")
@@ -78,7 +78,7 @@ def allocator(cuda: bool) -> tuple[float, float]:
 def nvml_free_mib(device: str) -> float | None:
     if not device.startswith("cuda"):
         return None
-    from workers.gpu.vram import cuda_memory
+    from gpuworker.vram import cuda_memory
 
     return cuda_memory(device)[2] / MIB
 
@@ -90,7 +90,7 @@ def build_model(root: Path, device: str) -> tuple[str, int]:
 
         manifest = make_sd15_sized_model(root / "sd15-random", device)
     else:
-        from workers.gpu.tiny import make_tiny_model
+        from gpuworker.tiny import make_tiny_model
 
         manifest = make_tiny_model(root / "tiny-sd")
     model_id = json.loads(manifest.read_text())["model_id"]
@@ -99,7 +99,7 @@ def build_model(root: Path, device: str) -> tuple[str, int]:
 
 
 async def cycles(args: argparse.Namespace, device: str, root: Path, model_id: str) -> list[dict[str, Any]]:
-    from workers.gpu.main import WorkerOptions, build_client
+    from gpuworker.main import WorkerOptions, build_client
 
     cuda = device.startswith("cuda")
     rows: list[dict[str, Any]] = []

@@ -1,6 +1,6 @@
 """Placement across machines, replayed: a bursty trace of jobs and sessions on a fleet of GPU workers
 (a discrete-event model: loads, unloads, job steps, session slots), placed by the real planner
-(workers/placement.py) and by three baselines in the same run, on the same traces:
+(fleet/placement/planner.py) and by three baselines in the same run, on the same traces:
 
 - static: v1, each worker preloads what fits (its own rotation of the model list, each model on
   the highest rung that fits) and never changes;
@@ -57,9 +57,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from potocolom.protocol.rungs import RUNG_FULL, RUNGS  # noqa: E402
-from scheduling.policy import HeldJob, Holding, QueuedJob, WorkerCapacity, plan_dispatch, plan_moves  # noqa: E402
-from workers.placement import (  # noqa: E402
+from fleet.placement.planner import (  # noqa: E402
     LOAD,
     UNLOAD,
     InstalledModel,
@@ -71,6 +69,8 @@ from workers.placement import (  # noqa: E402
     WorkerState,
     plan_placement,
 )
+from potocolom.protocol.rungs import RUNG_FULL, RUNGS  # noqa: E402
+from scheduling.policy import HeldJob, Holding, QueuedJob, WorkerCapacity, plan_dispatch, plan_moves  # noqa: E402
 
 # --- the figures the model runs on ---------------------------------------------------------
 # Memory per rung (MiB) and step time on full. SD-1.5 class: the ladder's estimates and the step

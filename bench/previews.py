@@ -1,4 +1,4 @@
-"""What a job preview costs (issue 13): workers/gpu/previews.py's latents -> JPEG -> base64 in ms, and
+"""What a job preview costs (issue 13): gpuworker/previews.py's latents -> JPEG -> base64 in ms, and
 as a share of a denoising step, on the tiny model (its own latents and its own measured step) and on
 random latents of SD 1.5's size (1x4x64x64, 512 px) and SDXL's (1x4x128x128, 1024 px) against the
 H200-measured SD-1.5 step of 27 ms (docs/design/memory-ladder.md). Goal: at most 5% of a step for the
@@ -53,7 +53,7 @@ def _median_ms(latents: Any, family: str, repeats: int) -> tuple[float, int]:
 
     import torch
 
-    from workers.gpu.previews import preview_b64
+    from gpuworker.previews import preview_b64
 
     def sync() -> None:
         if latents.device.type == "cuda":
@@ -71,10 +71,10 @@ def _median_ms(latents: Any, family: str, repeats: int) -> tuple[float, int]:
 
 def _tiny_step_and_latents(size: int, steps: int) -> tuple[float, Any, str]:
     """The tiny model through the worker's generate on the CPU: its median step ms and its last latents."""
-    from workers.gpu.installed import discover_models
-    from workers.gpu.pipelines import DiffusersPipeline
-    from workers.gpu.previews import family_of_pipeline
-    from workers.gpu.tiny import make_tiny_model
+    from gpuworker.installed import discover_models
+    from gpuworker.pipelines import DiffusersPipeline
+    from gpuworker.previews import family_of_pipeline
+    from gpuworker.tiny import make_tiny_model
 
     with tempfile.TemporaryDirectory() as root:
         make_tiny_model(Path(root) / "tiny")

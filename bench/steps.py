@@ -47,7 +47,7 @@
     the same run: the urgent job at priority 0, which waits for the long jobs ahead of it (3 times).
 
 (e) the same through the API: real Daphne (tests.support.stack) and the real worker built as
-    runworker_gpu builds it (workers.gpu.main.build_client) in this process, so its JobTiming is read
+    runworker_gpu builds it (gpuworker.main.build_client) in this process, so its JobTiming is read
     directly. One account's 50-step job runs; once it is 2 steps further on, and a random moment into
     a step later, the account submits a 2-step job at priority 9 over REST; its delay: the POST's
     start -> the worker's denoising start of it, 5 times (--urgent-rounds). Two cases:
@@ -99,7 +99,7 @@ def _row(model: str, size: int, scheduler: str, step_s: float, blob: int, text: 
 
 def _resume_seconds(text: str, scheduler: Any, steps: int, device: str, fingerprint: Any) -> float:
     """What resuming adds to a job's call: read the text back and put its state where the steps read it."""
-    from workers.gpu.checkpoints import Checkpoint, restore_scheduler
+    from gpuworker.checkpoints import Checkpoint, restore_scheduler
 
     started = time.perf_counter()
     checkpoint = Checkpoint.from_base64(text)
@@ -115,10 +115,10 @@ def _tiny_rows(size: int, steps: int) -> None:
     """The tiny pipeline through generate: step time from a plain run, save time at each boundary."""
     import diffusers
 
-    from workers.gpu.installed import discover_models
-    from workers.gpu.pipelines import DiffusersPipeline
-    from workers.gpu.placement import img2img_class
-    from workers.gpu.tiny import make_tiny_model
+    from gpuworker.installed import discover_models
+    from gpuworker.pipelines import DiffusersPipeline
+    from gpuworker.tiny import make_tiny_model
+    from gpuworker.weights import img2img_class
 
     with tempfile.TemporaryDirectory() as root:
         make_tiny_model(Path(root) / "tiny")
@@ -134,7 +134,7 @@ def _tiny_rows(size: int, steps: int) -> None:
 
 
 def _tiny_row(adapter: Any, params: dict[str, Any], name: str) -> None:
-    from workers.gpu.checkpoints import Checkpoint
+    from gpuworker.checkpoints import Checkpoint
 
     adapter.generate({**params, "steps": 1})  # warm-up
     stamps: list[float] = []
@@ -165,7 +165,7 @@ def _sd15_rows(steps: int) -> None:
     import torch
     from diffusers import UNet2DConditionModel
 
-    from workers.gpu.checkpoints import capture_checkpoint, fingerprint_for
+    from gpuworker.checkpoints import capture_checkpoint, fingerprint_for
 
     started = time.perf_counter()
     torch.manual_seed(0)
@@ -227,9 +227,9 @@ _TINY: list[Any] = []  # the tiny pipeline, loaded once per run
 def _tiny() -> Any:
     """The tiny model through DiffusersPipeline.load on the CPU, as the worker program loads it."""
     if not _TINY:
-        from workers.gpu.installed import discover_models
-        from workers.gpu.pipelines import DiffusersPipeline
-        from workers.gpu.tiny import make_tiny_model
+        from gpuworker.installed import discover_models
+        from gpuworker.pipelines import DiffusersPipeline
+        from gpuworker.tiny import make_tiny_model
 
         with tempfile.TemporaryDirectory() as root:
             make_tiny_model(Path(root) / "tiny")
@@ -291,7 +291,7 @@ class Timed:
 def _loop_class(yielding: bool) -> type:
     """DenoiseLoop as the worker runs it, or (yielding False) the worker without yielding: the same
     loop with no frames between a job's steps, so frames run only before a job and between jobs."""
-    from workers.gpu.jobs import DenoiseLoop
+    from gpuworker.jobs import DenoiseLoop
 
     if yielding:
         return DenoiseLoop
@@ -313,7 +313,7 @@ class Rig:
 
     def __init__(self, *, yielding: bool = True, max_batch: int = 1, checkpoint_seconds: float = 0.0,
                  job_params: dict[str, Any] | None = None, feed: int = 0, account: str | None = None):
-        from workers.gpu.frames import FrameRunner
+        from gpuworker.frames import FrameRunner
 
         self.pipe = Timed(_tiny())
         self.changed = threading.Condition()
@@ -341,7 +341,7 @@ class Rig:
 
     def submit(self, params: dict[str, Any], *, priority: int = 0, account: str | None = None,
                job_id: str | None = None) -> str:
-        from workers.gpu.jobs import HeldJob, JobTiming
+        from gpuworker.jobs import HeldJob, JobTiming
 
         if job_id is None:
             job_id = f"job-{next(self._next_id)}"
@@ -553,7 +553,7 @@ def _draw(rig: Rig, session_id: str, params: Any, strength: float, image: bytes,
           sent: list[tuple[float, float]]) -> None:
     """One drawer: its next frame as soon as its previous result is posted (as SessionDesk.frame queues
     it: FrameQueue.put, and a wake when the queue was empty); keeps (submitted, latency)."""
-    from workers.gpu.frames import Frame
+    from gpuworker.frames import Frame
 
     for seq in itertools.count(1):
         if stop.is_set():
@@ -585,7 +585,7 @@ class Phase:
 
 
 def _phase(args: argparse.Namespace, name: str, *, sessions: int, jobs: bool, yielding: bool = True) -> Phase:
-    from workers.gpu.frames import SessionParams
+    from gpuworker.frames import SessionParams
 
     job_params = {"prompt": "a lighthouse at dusk", "width": args.size, "height": args.size,
                   "steps": args.job_steps, "seed": 11}
@@ -724,8 +724,8 @@ def _urgent_through_api(args: argparse.Namespace, depth: int, case: str) -> None
 
     import httpx
 
+    from gpuworker.main import WorkerOptions, build_client
     from tests.support.stack import Stack
-    from workers.gpu.main import WorkerOptions, build_client
 
     async def rounds(stack: Stack, account: str, worker_token: str, models_dir: Path) -> tuple[list[float], float]:
         client = build_client(WorkerOptions(api=stack.ws_url, token=worker_token, models_dir=models_dir,

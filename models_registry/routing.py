@@ -5,7 +5,8 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from models_registry.errors import InvalidParams, NoMatchingModel, UnknownModel
-from potocolom.protocol.manifests import Manifest, params_errors, params_problems
+from potocolom.protocol.manifests import Manifest
+from potocolom.protocol.params import params_errors, params_problems
 
 
 def route(manifests: Sequence[Manifest], *, model_id: str | None = None, tier: str | None = None,

@@ -4,7 +4,8 @@ from __future__ import annotations
 from django.conf import settings
 
 from models_registry.models import ModelManifest
-from potocolom.protocol.manifests import Manifest, param_caps
+from potocolom.protocol.manifests import Manifest
+from potocolom.protocol.params import param_caps
 
 
 def registered_manifests() -> list[Manifest]:

@@ -19,11 +19,11 @@ from django.conf import settings  # noqa: E402
 from django.db import connection  # noqa: E402
 from django.urls import path, re_path  # noqa: E402
 
+from fleet.consumers import WorkerConsumer  # noqa: E402
 from potocolom.web.sockets import BrowserOriginCheck, refuse  # noqa: E402
 from realtime.consumers import SessionConsumer  # noqa: E402
 from scheduling.consumers import JobEventsConsumer  # noqa: E402
 from scheduling.dispatcher import dispatcher  # noqa: E402
-from workers.consumers import WorkerConsumer  # noqa: E402
 
 # Browser-facing sockets (the session cookie may authenticate them) check the page's Origin; the
 # worker socket (tokens only) does not; any other path is refused (403), not answered with a 500.
@@ -49,9 +49,9 @@ if settings.QUEUE_REBUILD_AT_START:
 if settings.DEAD_WORKER_SWEEP:
     # Dead workers are found by every served process, whether or not a socket is open on it; so
     # is placement planned (PLACEMENT=demand), on its events and every PLACEMENT_SECONDS.
+    from fleet.placement.runner import placement_start  # noqa: E402
+    from fleet.sweeper import dead_worker_sweep_start  # noqa: E402
     from scheduling.webhooks.runner import webhooks_start  # noqa: E402
-    from workers.placement_runner import placement_start  # noqa: E402
-    from workers.sweeper import dead_worker_sweep_start  # noqa: E402
 
     dead_worker_sweep_start()
     placement_start()

@@ -97,7 +97,7 @@ WORKER_HEARTBEAT_SECONDS = envfloat("WORKER_HEARTBEAT_SECONDS", 10.0)
 JOB_CHECKPOINT_SECONDS = envint("JOB_CHECKPOINT_SECONDS", 10, minimum=0)
 # v2: a job_progress preview at most every this many steps (0: none), sent in welcome as preview_steps
 PREVIEW_STEPS = envint("PREVIEW_STEPS", 4, minimum=0)
-# Placement across workers (workers.placing): `demand` loads models where work waits and moves them
+# Placement across workers (fleet.placement.driver): `demand` loads models where work waits and moves them
 # as demand moves; `off` leaves every worker with what it preloaded.
 PLACEMENT = envstr("PLACEMENT", "demand")
 if PLACEMENT not in ("demand", "off"):
@@ -133,7 +133,7 @@ if JOB_QUEUE not in ("memory", "redis") or (JOB_QUEUE == "redis" and not REDIS_U
     raise ImproperlyConfigured(f"JOB_QUEUE must be memory, or redis with REDIS_URL set; got {JOB_QUEUE!r}")
 # Rebuild the job queue from the database as the API process starts, not at the first worker's hello.
 QUEUE_REBUILD_AT_START = envbool("QUEUE_REBUILD_AT_START", True)
-# A served process finds dead workers itself (workers/sweeper.py), whatever is connected to it;
+# A served process finds dead workers itself (fleet/sweeper.py), whatever is connected to it;
 # the test process, which imports potocolom.asgi without serving, switches it off.
 DEAD_WORKER_SWEEP = envbool("DEAD_WORKER_SWEEP", True)
 # A browser message over this closes the socket with 4009; worker messages carry whole images.
@@ -187,6 +187,7 @@ INSTALLED_APPS = [
     "scheduling",
     "realtime",
     "workers",
+    "fleet",
 ]
 
 MIDDLEWARE = [

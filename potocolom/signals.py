@@ -1,6 +1,6 @@
 """Signals between the apps where the one that knows must not import the one that acts: scheduling
 and realtime say that work waits (a job no worker of this process took, a session queued) or ended
-(a model may be idle now), and workers' placement (workers.placing) plans again soon. Sent from
+(a model may be idle now), and workers' placement (fleet.placement.driver) plans again soon. Sent from
 sync code; receivers must return at once (no database, no network: they only wake a thread)."""
 from __future__ import annotations
 

@@ -13,13 +13,13 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.routers import SimpleRouter
 
+from fleet.api import QueuesView
+from fleet.metrics import MetricsView
 from models_registry.api import ModelListView
 from realtime.api import UsageView
 from realtime.views import drawing_page
 from scheduling.api import JobViewSet, WebhookSecretView
 from scheduling.views import jobs_page
-from workers.api import QueuesView
-from workers.metrics import MetricsView
 
 router = SimpleRouter(trailing_slash=True)
 router.register("jobs", JobViewSet, basename="job")

@@ -4,7 +4,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from potocolom.protocol.manifests import TIERS, Manifest, params_errors
+from potocolom.protocol.manifests import TIERS, Manifest
+from potocolom.protocol.params import params_errors
 from realtime.errors import BadQuery, NoModelFits
 
 SESSION_PARAMS = ("width", "height", "steps")  # the query fixes these for the whole session

@@ -167,7 +167,7 @@ def sessions_let_go() -> None:
     admission().release()
 
 
-# --- workers (called by workers.lifecycle) -------------------------------------------------------
+# --- workers (called by fleet.lifecycle) -------------------------------------------------------
 
 def worker_slots_set(*, worker_id: str, channel_name: str, models: list[ModelEntry], previous_channel: str,
                      now: datetime) -> None:

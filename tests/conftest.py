@@ -7,6 +7,9 @@ import pytest
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "potocolom.settings")
 
+# The worker-socket fixtures (token, v2_workers, header_workers) for tests/fleet and tests/scheduling.
+pytest_plugins = ["tests.support.worker_sockets"]
+
 
 @pytest.fixture(autouse=True)
 def fresh_dispatcher():

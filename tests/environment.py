@@ -6,5 +6,5 @@ import os
 # Tests build the queue themselves (the fresh_dispatcher fixture); importing potocolom.asgi must not
 # start a background load of it.
 os.environ["QUEUE_REBUILD_AT_START"] = "0"
-# Nor may it start the dead-worker sweep: tests run it with their own clock (tests/workers/test_sweeper.py).
+# Nor may it start the dead-worker sweep: tests run it with their own clock (tests/fleet/test_sweeper.py).
 os.environ["DEAD_WORKER_SWEEP"] = "0"

@@ -1,20 +1,8 @@
 from __future__ import annotations
 
 from django.apps import AppConfig
-from django.db import transaction
 
 
 class WorkersConfig(AppConfig):
     name = "workers"
     verbose_name = "GPU workers"
-
-    def ready(self) -> None:
-        # Work that waits (a job no worker here took, a session queued) or ends makes placement plan soon.
-        from potocolom.signals import work_ended, work_waiting
-        from workers.placement_runner import placement_wake
-
-        def wake(**_: object) -> None:
-            transaction.on_commit(placement_wake)  # it reads what the sender's transaction writes
-
-        work_waiting.connect(wake, weak=False, dispatch_uid="workers.placement")
-        work_ended.connect(wake, weak=False, dispatch_uid="workers.placement.ended")

@@ -47,7 +47,7 @@ class Worker(models.Model):
     # Placement (v2): its hello's `installed` entries (None: a v1 worker, or a v2 one that did not
     # say, which placement never asks to load or unload), the protocol of that hello, and what
     # placement is waiting for on it: {"loading": {model_id: rung}, "unloading": [model_id],
-    # "failed": {model_id: epoch seconds}, "loaded_at": {model_id: epoch seconds}} (workers.placing).
+    # "failed": {model_id: epoch seconds}, "loaded_at": {model_id: epoch seconds}} (fleet.placement.driver).
     installed = models.JSONField(null=True, blank=True)
     protocol = models.PositiveSmallIntegerField(default=1)
     placement = models.JSONField(default=dict, blank=True)

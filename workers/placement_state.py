@@ -1,11 +1,26 @@
 """What placement keeps on a worker row (Worker.placement), as plain data: the loads and unloads
 sent and not answered, failed loads, when the API loaded each model and the memory it took. Read
-and written by workers.services (the rows' writer) and read by workers.placing (the driver)."""
+and written by workers.services (the rows' writer) and read by fleet.placement.driver (the driver)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
+
+LOAD: Literal["load"] = "load"
+UNLOAD: Literal["unload"] = "unload"
+
+
+@dataclass(frozen=True)
+class PlacementAction:
+    """One thing to ask a worker: `load_model` (with its rung) or `unload_model` (rung None), and
+    why, in words for the placement log."""
+
+    kind: Literal["load", "unload"]
+    worker_id: str
+    model_id: str
+    rung: str | None
+    reason: str
 
 
 @dataclass

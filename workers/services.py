@@ -17,8 +17,7 @@ from potocolom.protocol.worker import ModelEntry
 from potocolom.transport.notify import notify_after_commit
 from workers.errors import WorkerIdTaken
 from workers.models import PlacementRecord, Worker, WorkerToken, hash_token
-from workers.placement import LOAD, PlacementAction
-from workers.placement_state import Waiting, epoch, free_mib
+from workers.placement_state import LOAD, PlacementAction, Waiting, epoch, free_mib
 from workers.selectors import silence_cutoff
 
 
@@ -137,7 +136,7 @@ def worker_rung_set(*, worker_id: str, entry: ModelEntry) -> None:
         worker.save(update_fields=["served_models"])
 
 
-# --- placement (workers.placing plans; these write what it sent and what the workers answered) ---
+# --- placement (fleet.placement.driver plans; these write what it sent and what the workers answered) ---
 
 WORKER_PLACE = "worker.place"  # the event a worker's consumer turns into load_model / unload_model
 

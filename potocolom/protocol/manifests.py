@@ -17,8 +17,6 @@ CAPABILITIES = ("txt2img", "img2img")
 # SD 1.x/2.x, SDXL (also Turbo), SD3 and Flux; img2img comes from the same weights.
 PIPELINES = ("StableDiffusionPipeline", "StableDiffusionXLPipeline", "StableDiffusion3Pipeline", "FluxPipeline")
 REQUIRED_FIELDS = ("model_id", "tier", "cost", "capabilities", "pipeline", "source", "params_schema")
-SIDE_PARAMS = ("width", "height")
-STEPS_PARAM = "steps"
 
 
 class ManifestError(ValueError):
@@ -104,45 +102,3 @@ def parse_manifest(item: Any, *, origin: str) -> Manifest:
         raise bad("params_schema", f"is not a valid JSON Schema: {exc.message}") from None
     return Manifest(model_id=model_id, tier=item["tier"], cost=float(cost), capabilities=tuple(capabilities),
                     pipeline=item["pipeline"], source=item["source"], params_schema=schema)
-
-
-def param_caps(*, max_side: int, max_steps: int) -> dict[str, int]:
-    """The caps for width, height and steps, for a schema that sets no maximum of its own."""
-    return {**{name: max_side for name in SIDE_PARAMS}, STEPS_PARAM: max_steps}
-
-
-def complaints(schema: dict[str, Any], params: Any, *,
-               caps: Mapping[str, int] | None = None) -> list[tuple[list[str], str]]:
-    """The schema's complaints about params (the path to the place, the message), then each cap of
-    `caps` that a param exceeds while its schema sets no maximum (or exclusiveMaximum) of its own."""
-    validator = validator_for(schema)(schema)
-    found = [([str(p) for p in error.absolute_path], error.message)
-             for error in sorted(validator.iter_errors(params), key=lambda e: list(e.absolute_path))]
-    if caps and isinstance(params, dict):
-        properties = schema.get("properties")
-        declared = properties if isinstance(properties, dict) else {}
-        for name, cap in caps.items():
-            own = declared.get(name)
-            if isinstance(own, dict) and ("maximum" in own or "exclusiveMaximum" in own):
-                continue
-            value = params.get(name)
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and value > cap:
-                found.append(([name], f"{value} is greater than the maximum of {cap}"))
-    return found
-
-
-def params_errors(schema: dict[str, Any], params: Any, *, caps: Mapping[str, int] | None = None) -> list[str]:
-    """The complaints about params as messages naming the place ('' when none)."""
-    return [f"{'/'.join(path)}: {message}" if path else message
-            for path, message in complaints(schema, params, caps=caps)]
-
-
-def params_problems(schema: dict[str, Any], params: Any, *,
-                    caps: Mapping[str, int] | None = None) -> dict[str, list[str]]:
-    """The complaints about params by the param they concern ("params" for the object as a whole,
-    such as a missing required field)."""
-    problems: dict[str, list[str]] = {}
-    for path, message in complaints(schema, params, caps=caps):
-        inner = "/".join(path[1:])
-        problems.setdefault(path[0] if path else "params", []).append(f"{inner}: {message}" if inner else message)
-    return problems

@@ -1,4 +1,4 @@
-"""A worker's jobs as it connects, drains and leaves (called by workers.lifecycle): what it holds is
+"""A worker's jobs as it connects, drains and leaves (called by fleet.lifecycle): what it holds is
 reconciled on its hello, a dead worker's jobs go back to the queue or fail by the retry rule, and
 orphans are swept. The story: docs/protocol.md, "Dead workers, reconnects, restarts"."""
 from __future__ import annotations

@@ -17,7 +17,7 @@ from tests.support.stack import ROOT, Stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
 
-# settings.LOGGING's format: "2026-12-02 17:17:05,154 INFO workers.gpu.loading: ..."
+# settings.LOGGING's format: "2026-12-02 17:17:05,154 INFO gpuworker.loading: ..."
 RECORD = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR|CRITICAL) ([\w.]+): ")
 ACCESS = re.compile(r'^\S+ - - \[[^\]]+\] "[A-Z]+ \S+" (\d{3}|-) (\d+|-)$')  # Daphne's access log, on stdout
 OURS = ("workers.", "scheduling.", "realtime.", "potocolom.", "models_registry.")

@@ -16,7 +16,7 @@ from scheduling import services
 from scheduling.checkpoints import checkpoint_read
 from scheduling.dispatcher import reset_dispatcher
 from tests.helpers import api_client, eventually, job_row, job_states, register_model, submit_jobs, tiny_png
-from tests.workers.conftest import V2Worker
+from tests.support.worker_sockets import V2Worker
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

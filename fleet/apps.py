@@ -1,0 +1,20 @@
+from __future__ import annotations
+
+from django.apps import AppConfig
+from django.db import transaction
+
+
+class FleetConfig(AppConfig):
+    name = "fleet"
+    verbose_name = "Fleet"
+
+    def ready(self) -> None:
+        # Work that waits (a job no worker here took, a session queued) or ends makes placement plan soon.
+        from fleet.placement.runner import placement_wake
+        from potocolom.signals import work_ended, work_waiting
+
+        def wake(**_: object) -> None:
+            transaction.on_commit(placement_wake)  # it reads what the sender's transaction writes
+
+        work_waiting.connect(wake, weak=False, dispatch_uid="fleet.placement")
+        work_ended.connect(wake, weak=False, dispatch_uid="fleet.placement.ended")
