@@ -15,6 +15,7 @@ from django.utils import timezone
 from fleet.placement.runner import placement_wake
 from potocolom import metrics
 from potocolom.protocol.worker import PROTOCOL_V2, Hello, ModelEntry
+from potocolom.runtime import Slot, runtime
 from realtime import selectors as session_reads
 from realtime import services as sessions
 from scheduling import selectors as job_reads
@@ -174,7 +175,12 @@ class DispatchSoon:
             self.running = False
 
 
-dispatch_soon = DispatchSoon()
+DISPATCH_SOON = Slot("fleet.dispatch_soon", make=DispatchSoon)
+
+
+async def dispatch_soon(*, waiting: Iterable[QueuedJob] = ()) -> None:
+    """Run this process's dispatch soon (see DispatchSoon)."""
+    await runtime.get(DISPATCH_SOON)(waiting=waiting)
 
 
 def queues_snapshot() -> dict[str, Any]:

@@ -1,6 +1,5 @@
-"""The dead-worker sweep of one API process: every heartbeat period, whether or not any socket is
-open on it, fleet.lifecycle.dead_workers_sweep runs in a thread of its own (started once per
-process by potocolom/asgi.py). The rule it applies: docs/protocol.md, "Dead workers"."""
+"""The dead-worker sweep of one API process: fleet.lifecycle.dead_workers_sweep every heartbeat
+period, in a thread of its own, whether or not a socket is open here. docs/protocol.md, "Dead workers"."""
 from __future__ import annotations
 
 import logging
@@ -12,7 +11,8 @@ from django.db import close_old_connections
 from django.utils import timezone
 
 from fleet.lifecycle import dead_workers_sweep
-from potocolom.threads import ProcessThread
+from potocolom.runtime import Slot
+from potocolom.threads import ProcessThread, start_when_served, stop_thread
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +41,5 @@ class DeadWorkerSweeper(ProcessThread):
             log.exception("the dead-worker sweep failed")
 
 
-_sweeper = DeadWorkerSweeper()
-
-
-def dead_worker_sweep_start() -> bool:
-    """Start this process's sweep (a no-op when it runs already)."""
-    return _sweeper.start()
-
+DEAD_WORKER_SWEEPER = Slot("fleet.dead_worker_sweep", make=DeadWorkerSweeper, start=start_when_served,
+                           stop=stop_thread)

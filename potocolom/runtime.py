@@ -63,23 +63,27 @@ class Runtime:
                 if slot.start is not None:
                     slot.start(self.get(slot))
 
-    def stop(self) -> None:
-        """Stop every object made that has a stop, the latest made first (a stop that fails is
-        logged, not raised); they may start again."""
+    def stop(self, *slots: Slot[Any]) -> None:
+        """Stop the given slots' objects (every object made, when none is given), the latest made
+        first; a stop that fails is logged, not raised. They may start again."""
         with self._lock:
-            self._started.clear()
-            for slot, found in reversed(list(self._objects.items())):
+            chosen = [slot for slot in reversed(list(self._objects)) if not slots or slot in slots]
+            self._started = [slot for slot in self._started if slot not in chosen]
+            for slot in chosen:
                 if slot.stop is not None:
                     try:
-                        slot.stop(found)
+                        slot.stop(self._objects[slot])
                     except Exception:
                         log.exception("could not stop %s", slot.name)
 
-    def reset(self) -> None:
-        """Stop everything and forget every object, as a restarted process has none (tests)."""
+    def reset(self, *slots: Slot[Any]) -> None:
+        """Stop and forget the given slots' objects (every one, when none is given), as a restarted
+        process has none: the next use makes them anew (tests)."""
         with self._lock:
-            self.stop()
-            self._objects.clear()
+            self.stop(*slots)
+            for slot in list(self._objects):
+                if not slots or slot in slots:
+                    del self._objects[slot]
 
 
 runtime = Runtime()

@@ -1,10 +1,10 @@
-"""A background thread of one API process (the dead-worker sweep, placement, webhook delivery):
-started once per process by potocolom/asgi.py, woken by events, stopped by tests. Each runner says
-what its loop does; this holds the starting, waking and stopping they share."""
+"""A background thread of one API process (the dead-worker sweep, placement, webhook delivery): its
+object lives in potocolom.runtime, which asgi.py starts; woken by events, stopped by a reset."""
 from __future__ import annotations
 
 import threading
 
+from django.conf import settings
 from django.db import connection
 
 
@@ -62,3 +62,15 @@ class ProcessThread:
 
     def loop(self) -> None:
         raise NotImplementedError
+
+
+def start_when_served(thread: ProcessThread) -> None:
+    """A runtime slot's start: run the thread in a served process (DEAD_WORKER_SWEEP=0 keeps the
+    process's threads off: tests run their loops with their own clocks)."""
+    if settings.DEAD_WORKER_SWEEP:
+        thread.start()
+
+
+def stop_thread(thread: ProcessThread) -> None:
+    """A runtime slot's stop."""
+    thread.stop()

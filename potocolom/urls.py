@@ -1,9 +1,13 @@
-"""URLs: the REST API under /api/v1/ (its docs page for people at /api/v1/docs/), /metrics, the admin,
-Django auth, and the drawing page."""
+"""The routes: the REST API under /api/v1/ (its docs page for people at /api/v1/docs/), /metrics, the
+admin, Django auth and the pages; and the three sockets (websocket_application)."""
 from __future__ import annotations
 
+from typing import Any, cast
+
+from channels.auth import AuthMiddlewareStack
+from channels.routing import URLRouter
 from django.contrib import admin
-from django.urls import include, path
+from django.urls import URLPattern, include, path, re_path
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
@@ -14,11 +18,15 @@ from rest_framework.response import Response
 from rest_framework.routers import SimpleRouter
 
 from fleet.api import QueuesView
+from fleet.consumers import WorkerConsumer
 from fleet.metrics import MetricsView
 from models_registry.api import ModelListView
+from potocolom.web.sockets import ASGIApp, BrowserOriginCheck, refuse
 from realtime.api import UsageView
+from realtime.consumers import SessionConsumer
 from realtime.views import drawing_page
 from scheduling.api import JobViewSet, WebhookSecretView
+from scheduling.consumers import JobEventsConsumer
 from scheduling.views import jobs_page
 
 router = SimpleRouter(trailing_slash=True)
@@ -51,3 +59,20 @@ urlpatterns = [
     path("admin/", admin.site.urls),
     path("accounts/", include("django.contrib.auth.urls")),
 ]
+
+
+def socket_route(route: str, app: ASGIApp, *, pattern: bool = False) -> URLPattern:
+    """A socket route: channels routes ASGI applications with Django's path(), which django-stubs
+    types for views only."""
+    return (re_path if pattern else path)(route, cast(Any, app))
+
+
+def websocket_application() -> ASGIApp:
+    """The sockets. Browser-facing ones (the session cookie may authenticate them) check the page's
+    Origin; the worker socket (tokens only) does not; any other path is refused (403), not a 500."""
+    return cast(ASGIApp, AuthMiddlewareStack(URLRouter([
+        socket_route("ws/session/", BrowserOriginCheck(SessionConsumer.as_asgi())),
+        socket_route("ws/jobs/", BrowserOriginCheck(JobEventsConsumer.as_asgi())),
+        socket_route("ws/worker/", WorkerConsumer.as_asgi()),
+        socket_route(r"", refuse, pattern=True),
+    ])))

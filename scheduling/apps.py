@@ -6,3 +6,11 @@ from django.apps import AppConfig
 class SchedulingConfig(AppConfig):
     name = "scheduling"
     verbose_name = "Scheduling"
+
+    def ready(self) -> None:
+        """Started with the process: the queue's rebuild and webhook delivery."""
+        from potocolom.runtime import runtime
+        from scheduling.dispatcher import DISPATCHER
+        from scheduling.webhooks.runner import WEBHOOK_RUNNER
+
+        runtime.register(DISPATCHER, WEBHOOK_RUNNER)

@@ -17,6 +17,7 @@ from django.db import connection
 from django.db.models import Max
 from django.utils import timezone
 
+from potocolom.runtime import Slot, runtime
 from scheduling.models import HELD_STATES, Job, JobState
 from scheduling.policy import (
     Assignment,
@@ -477,17 +478,32 @@ class Dispatcher:
 
 # --- this process's dispatcher -------------------------------------------------------------------
 
-_instance: Dispatcher | None = None
-_instance_lock = threading.Lock()
+
+def _make_dispatcher() -> Dispatcher:
+    return Dispatcher(depth=settings.JOB_DISPATCH_DEPTH, queues=queues_from_settings())
+
+
+def _rebuild_in_background(current: Dispatcher) -> None:
+    """At the process's start (QUEUE_REBUILD_AT_START): load the queue while Daphne starts listening."""
+    if settings.QUEUE_REBUILD_AT_START:
+        threading.Thread(target=_rebuild_at_start, name="queue-rebuild", daemon=True).start()
+
+
+def _rebuild_at_start() -> None:
+    try:
+        dispatcher()
+    except Exception:  # the first request retries the load and reports the error there
+        log.exception("could not rebuild the job queue at start")
+    finally:
+        connection.close()
+
+
+DISPATCHER = Slot("scheduling.dispatcher", make=_make_dispatcher, start=_rebuild_in_background)
 
 
 def dispatcher() -> Dispatcher:
     """This process's dispatcher, rebuilt from the database the first time it is needed."""
-    global _instance
-    with _instance_lock:
-        if _instance is None:
-            _instance = Dispatcher(depth=settings.JOB_DISPATCH_DEPTH, queues=queues_from_settings())
-        current = _instance
+    current = runtime.get(DISPATCHER)
     if not current.loaded:
         with current.lock:
             if not current.loaded:
@@ -539,10 +555,3 @@ def queues_from_settings() -> JobQueues:
     client = redis_client_from_url(settings.REDIS_URL or "", socket_connect_timeout=settings.REDIS_CONNECT_TIMEOUT,
                                    socket_timeout=settings.REDIS_READ_TIMEOUT)  # DATABASE_TIMEOUT_SECONDS
     return RecoveringQueues(RedisQueues(client, prefix), queued_rows, turn_rows)
-
-
-def reset_dispatcher() -> None:
-    """Forget this process's dispatcher, as a restart does (tests)."""
-    global _instance
-    with _instance_lock:
-        _instance = None

@@ -8,6 +8,8 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from potocolom.runtime import Slot, runtime
+
 FIRST_ETAS_KEPT = 10_000  # jobs whose first estimate waits for their start; the oldest are forgotten
 
 
@@ -121,4 +123,10 @@ class FirstEtas:
             self._etas.pop(job_id, None)
 
 
-first_etas = FirstEtas()  # this process's: offered where a representation is built, taken where a job starts
+# This process's: offered where a representation is built, taken where a job starts.
+FIRST_ETAS = Slot("scheduling.first_etas", make=FirstEtas)
+
+
+def first_etas() -> FirstEtas:
+    """This process's first estimates."""
+    return runtime.get(FIRST_ETAS)

@@ -15,6 +15,7 @@ from django.db import transaction
 from django.db.models import DateTimeField, Q
 from django.utils import timezone
 
+from potocolom.runtime import Slot, runtime
 from potocolom.transport import relay
 from scheduling import selectors
 from scheduling.images import INIT_IMAGE, ParamsWithoutImage
@@ -30,7 +31,7 @@ _DATETIMES = frozenset(f.attname for f in Job._meta.concrete_fields if isinstanc
 # Changes are read after their commits, in whichever threads committed them: the read and the send
 # go under one lock so that this process sends a job's states in the order it read them (the
 # dispatch's "dispatched" never after the worker's "running" that a faster thread read later).
-_READ_AND_SEND = threading.Lock()
+READ_AND_SEND = Slot("scheduling.events.read_and_send", make=threading.Lock)
 
 
 def account_group(account_id: int | str) -> str:
@@ -63,7 +64,7 @@ def job_progressed(*, account_id: int | str, job_id: str, step: int, steps: int,
 
 
 def _publish_read(ids: list[str], *, now: datetime | None) -> None:
-    with _READ_AND_SEND:
+    with runtime.get(READ_AND_SEND):
         _read_and_publish(ids, now=now)
 
 

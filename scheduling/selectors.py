@@ -163,5 +163,5 @@ def etas_of(jobs: Iterable[Job], *, positions: dict[str, int], now: datetime) ->
         eta = eta_seconds(position=positions[str(job.id)], load=loads[job.model_id])
         if eta is not None:
             etas[str(job.id)] = eta
-            first_etas.offer(str(job.id), eta=eta, at_us=at_us)
+            first_etas().offer(str(job.id), eta=eta, at_us=at_us)
     return etas

@@ -18,6 +18,7 @@ from typing import Any
 from django.conf import settings
 from rest_framework.throttling import UserRateThrottle
 
+from potocolom.runtime import Slot, runtime
 from scheduling.queues.redis import redis_client_from_url
 
 # KEYS[1] this window's counter, KEYS[2] the last one's; ARGV[1] limit, ARGV[2] elapsed (0..1),
@@ -30,8 +31,26 @@ redis.call('INCR', KEYS[1])
 redis.call('EXPIRE', KEYS[1], ARGV[3])
 return {1, 0, 0}
 """
-_redis: tuple[tuple[str, float | None, float | None], Any] | None = None
-_redis_lock = threading.Lock()
+
+
+class SlidingScripts:
+    """This process's sliding-window script per Redis (URL, connect timeout, read timeout), made once."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.scripts: dict[tuple[str, float | None, float | None], Any] = {}
+
+    def on(self, where: tuple[str, float | None, float | None]) -> Any:
+        with self.lock:
+            if where not in self.scripts:
+                url, connect_timeout, read_timeout = where
+                client = redis_client_from_url(url, socket_connect_timeout=connect_timeout,
+                                               socket_timeout=read_timeout)
+                self.scripts[where] = client.register_script(_SLIDING)
+            return self.scripts[where]
+
+
+SLIDING_SCRIPTS = Slot("scheduling.throttles", make=SlidingScripts)
 
 
 def _redis_cache() -> tuple[str, float | None, float | None] | None:
@@ -47,13 +66,7 @@ def _redis_cache() -> tuple[str, float | None, float | None] | None:
 
 def _script(where: tuple[str, float | None, float | None]) -> Any:
     """The sliding-window script on this process's client for the cache's Redis (made once)."""
-    global _redis
-    with _redis_lock:
-        if _redis is None or _redis[0] != where:
-            url, connect_timeout, read_timeout = where
-            client = redis_client_from_url(url, socket_connect_timeout=connect_timeout, socket_timeout=read_timeout)
-            _redis = (where, client.register_script(_SLIDING))
-        return _redis[1]
+    return runtime.get(SLIDING_SCRIPTS).on(where)
 
 
 def sliding_count(*, previous: int, current: int, elapsed: float) -> float:

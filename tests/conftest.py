@@ -1,4 +1,4 @@
-"""Shared fixtures: named accounts, a fresh dispatcher per test (as a restarted API has)."""
+"""Shared fixtures: named accounts, a fresh runtime per test (as a restarted API process has)."""
 from __future__ import annotations
 
 import os
@@ -12,16 +12,14 @@ pytest_plugins = ["tests.support.worker_sockets"]
 
 
 @pytest.fixture(autouse=True)
-def fresh_dispatcher():
-    """Each test starts like a freshly started API process: the queue is rebuilt from the database."""
-    from realtime.admission import reset_admission
-    from scheduling.dispatcher import reset_dispatcher
+def fresh_runtime():
+    """Each test starts like a freshly started API process: its dispatcher, admission, relay, caches
+    and background threads made anew (the queue rebuilt from the database), and all stopped after."""
+    from potocolom.runtime import runtime
 
-    reset_dispatcher()
-    reset_admission()
+    runtime.reset()
     yield
-    reset_dispatcher()
-    reset_admission()
+    runtime.reset()
 
 
 @pytest.fixture(autouse=True)

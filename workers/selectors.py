@@ -9,10 +9,13 @@ from typing import Any
 
 from django.db import connection
 
+from potocolom.runtime import Slot, runtime
 from workers.liveness import silent_before, up_for_less_than
 from workers.models import PlacementRecord, Worker
 
-_started: weakref.WeakKeyDictionary[Any, datetime] = weakref.WeakKeyDictionary()
+# When the PostgreSQL server started, per connection of this process (a restart takes them with it).
+SERVER_STARTS: Slot[weakref.WeakKeyDictionary[Any, datetime]] = Slot("workers.database_started",
+                                                                     make=weakref.WeakKeyDictionary)
 
 
 def database_started_at() -> datetime | None:
@@ -22,12 +25,13 @@ def database_started_at() -> datetime | None:
         return None
     connection.ensure_connection()
     raw = connection.connection
-    started = _started.get(raw)
+    starts = runtime.get(SERVER_STARTS)
+    started = starts.get(raw)
     if started is None:
         with connection.cursor() as cursor:
             cursor.execute("SELECT pg_postmaster_start_time()")
             started = cursor.fetchone()[0]
-        _started[raw] = started
+        starts[raw] = started
     return started
 
 

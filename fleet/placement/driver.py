@@ -25,6 +25,7 @@ from fleet.placement.planner import (
     plan_placement,
 )
 from potocolom.protocol.rungs import RUNG_FULL
+from potocolom.runtime import Slot, runtime
 from realtime import selectors as session_reads
 from scheduling import selectors as job_reads
 from workers import services
@@ -38,7 +39,8 @@ PLACEMENT_LOCK = (0x706F_0004, 1)  # pg_advisory_xact_lock(*PLACEMENT_LOCK): one
 LAST_USE_WINDOW = timedelta(hours=1)  # last use is looked up this far back; older counts as the load
 KEPT_RECORDS = timedelta(days=1)  # placement records older than this are deleted
 
-_local_lock = threading.Lock()
+# Off PostgreSQL, the lock that keeps this process's planner runs one at a time.
+LOCAL_PLANNER_LOCK = Slot("fleet.placement.lock", make=threading.Lock)
 
 
 def placement_enabled() -> bool:
@@ -66,7 +68,7 @@ def planner_lock() -> Iterator[None]:
                 cursor.execute("SELECT pg_advisory_xact_lock(%s, %s)", list(PLACEMENT_LOCK))
             yield
         return
-    with _local_lock, transaction.atomic():
+    with runtime.get(LOCAL_PLANNER_LOCK), transaction.atomic():
         yield
 
 

@@ -1,6 +1,6 @@
-"""The placement thread of one API process (started once per process by potocolom/asgi.py, beside
-the dead-worker sweep): fleet.placement.driver.placement_run every PLACEMENT_SECONDS, and soon after each
-event that may change placement (work waiting, a worker's hello, loss or drain, a load answered)."""
+"""The placement thread of one API process: fleet.placement.driver.placement_run every
+PLACEMENT_SECONDS, and soon after each event that may change placement (work waiting, a worker's
+hello, loss or drain, a load answered). docs/design/placement.md."""
 from __future__ import annotations
 
 import logging
@@ -13,7 +13,8 @@ from django.db import close_old_connections
 from django.utils import timezone
 
 from fleet.placement.driver import placement_enabled, placement_run
-from potocolom.threads import ProcessThread
+from potocolom.runtime import Slot, runtime
+from potocolom.threads import ProcessThread, start_when_served, stop_thread
 
 log = logging.getLogger(__name__)
 MIN_GAP_SECONDS = 0.2  # between two runs of one process's planner
@@ -61,20 +62,10 @@ class PlacementRunner(ProcessThread):
             log.exception("placement failed")
 
 
-_placement = PlacementRunner()
-
-
-def placement_start() -> bool:
-    """Start this process's placement thread (a no-op when it runs already, or PLACEMENT=off)."""
-    return _placement.start()
+PLACEMENT_RUNNER = Slot("fleet.placement", make=PlacementRunner, start=start_when_served, stop=stop_thread)
 
 
 def placement_wake() -> None:
     """Plan placement soon (an event changed demand or what workers hold); nothing when the thread
     does not run (PLACEMENT=off, or a process that serves no sockets)."""
-    _placement.wake()
-
-
-def placement_stop() -> None:
-    """Stop the placement thread (tests)."""
-    _placement.stop()
+    runtime.get(PLACEMENT_RUNNER).wake()

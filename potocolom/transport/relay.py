@@ -19,6 +19,7 @@ from channels.generic.websocket import AsyncWebsocketConsumer
 from channels.layers import get_channel_layer
 from django.conf import settings
 
+from potocolom.runtime import Slot, runtime
 from potocolom.transport.bus import Bus, frame_key, frame_seq, process_of
 
 log = logging.getLogger(__name__)
@@ -140,24 +141,37 @@ class _FromClient:
         self.message = message
 
 
-_inboxes: dict[str, tuple[asyncio.AbstractEventLoop, Inbox]] = {}
-_members: dict[str, set[str]] = {}  # group -> this process's channels in it (through group_membership)
 GROUP_TARGET = "group:"  # a bus target naming a group: every local member of it
 
 
-_listeners: dict[str, Callable[[dict[str, Any]], None]] = {}  # process-level notice targets
+class Relay:
+    """This process's end of the relay: each local consumer's inbox (and its loop), the local
+    members of each group, the process-level notice listeners, and the bus while it runs."""
+
+    def __init__(self) -> None:
+        self.inboxes: dict[str, tuple[asyncio.AbstractEventLoop, Inbox]] = {}
+        self.members: dict[str, set[str]] = {}  # group -> this process's channels in it (group_membership)
+        self.listeners: dict[str, Callable[[dict[str, Any]], None]] = {}  # process-level notice targets
+        self.bus: Bus | None = None
+
+
+RELAY = Slot("potocolom.relay", make=Relay)
+
+
+def _relay() -> Relay:
+    return runtime.get(RELAY)
 
 
 def listen(target: str, callback: Callable[[dict[str, Any]], None]) -> None:
     """Hand every notice for `target` (from `notify_all_sync`, here or over the bus) to `callback`,
     in this process: once, whatever the number of consumers (it must not block)."""
-    _listeners[target] = callback
+    _relay().listeners[target] = callback
 
 
 def notify_all_sync(target: str, message: dict[str, Any]) -> None:
     """From sync code: a notice for `target`'s listener in every process, this one first (one PUBLISH
     on the bus for the others; without the bus they miss it, and must not rely on it alone)."""
-    callback = _listeners.get(target)
+    callback = _relay().listeners.get(target)
     if callback is not None:
         callback(message)
     bus = _running_bus()
@@ -166,20 +180,21 @@ def notify_all_sync(target: str, message: dict[str, Any]) -> None:
 
 
 def is_local(channel_name: str) -> bool:
-    return channel_name in _inboxes
+    return channel_name in _relay().inboxes
 
 
 def deliver_local(channel_name: str, message: dict[str, Any]) -> bool:
     """Put the message into a local consumer's inbox (every local member's, for a `group:` target);
     False when there is none here."""
-    callback = _listeners.get(channel_name)
+    relay = _relay()
+    callback = relay.listeners.get(channel_name)
     if callback is not None:
         callback(message)
         return True
     if channel_name.startswith(GROUP_TARGET):
-        members = list(_members.get(channel_name[len(GROUP_TARGET):], ()))
+        members = list(relay.members.get(channel_name[len(GROUP_TARGET):], ()))
         return sum(deliver_local(member, message) for member in members) > 0
-    entry = _inboxes.get(channel_name)
+    entry = relay.inboxes.get(channel_name)
     if entry is None:
         return False
     loop, inbox = entry
@@ -206,9 +221,10 @@ def deliver_local_many(deliveries: Iterable[tuple[str, dict[str, Any]]]) -> None
     except RuntimeError:
         running = None
     batches: dict[asyncio.AbstractEventLoop, list[tuple[Any, dict[str, Any]]]] = {}
+    relay = _relay()
     for channel_name, message in deliveries:
-        entry = _inboxes.get(channel_name)
-        if entry is None or channel_name in _listeners:
+        entry = relay.inboxes.get(channel_name)
+        if entry is None or channel_name in relay.listeners:
             deliver_local(channel_name, message)  # a listener, a group, or not here
         elif entry[0] is running:
             entry[1].put_nowait(message)
@@ -226,12 +242,9 @@ def _put_all(batch: list[tuple[Any, dict[str, Any]]]) -> None:
 
 # --- between processes: the bus (one PUBLISH) when Redis is there, the channel layer otherwise ---
 
-_bus: Bus | None = None
-
-
 def _running_bus() -> Bus | None:
     """This process's bus, while it runs."""
-    bus = _bus
+    bus = _relay().bus
     return None if bus is None or bus.loop is None or bus.loop.is_closed() else bus
 
 
@@ -257,21 +270,21 @@ def _bus_target(channel_name: str) -> tuple[Bus, str] | None:
 
 async def _ensure_bus(layer: Any) -> None:
     """Start this process's end of the bus (REDIS_URL, a RedisChannelLayer) on the running loop."""
-    global _bus
     if not settings.REDIS_URL or not hasattr(layer, "client_prefix"):
         return
+    relay = _relay()
     loop = asyncio.get_running_loop()
-    if _bus is not None and _bus.loop is loop:
-        await _bus.ready()  # another consumer is starting it: hand out no channel before it listens
+    if relay.bus is not None and relay.bus.loop is loop:
+        await relay.bus.ready()  # another consumer is starting it: hand out no channel before it listens
         return
     bus = Bus(settings.REDIS_URL, layer.client_prefix, deliver_local)
-    _bus = bus
+    relay.bus = bus
     try:
         await bus.start()
     except Exception:  # Redis unreachable: the channel layer carries everything
         log.exception("the process bus could not start; messages between processes use the channel layer")
-        if _bus is bus:
-            _bus = None
+        if relay.bus is bus:
+            relay.bus = None
 
 
 async def send(channel_name: str, message: dict[str, Any]) -> None:
@@ -341,7 +354,8 @@ class RelayConsumer(AsyncWebsocketConsumer):
         else:
             self.channel_name = f"local.{id(self)}"
         await _ensure_bus(self.channel_layer)
-        _inboxes[self.channel_name] = (asyncio.get_running_loop(), inbox)
+        relay = _relay()
+        relay.inboxes[self.channel_name] = (asyncio.get_running_loop(), inbox)
         feeds = [asyncio.create_task(_feed(source, inbox, client=source is receive)) for source in sources]
         self.base_send = send
         try:
@@ -354,8 +368,8 @@ class RelayConsumer(AsyncWebsocketConsumer):
             pass
         finally:
             with contextlib.suppress(KeyError):
-                del _inboxes[self.channel_name]
-            for members in _members.values():
+                del relay.inboxes[self.channel_name]
+            for members in relay.members.values():
                 members.discard(self.channel_name)
             for feed in feeds:
                 feed.cancel()
@@ -432,10 +446,11 @@ def group_send_everywhere_sync(group: str, message: dict[str, Any]) -> None:
 async def group_membership(layer: Any, group: str, channel_name: str, *, join: bool = True) -> bool:
     """Join (or leave) a channel-layer group, retried once; False (logged) when Redis is away. The
     membership counts here at once, for notices that come over the bus."""
+    members = _relay().members
     if join:
-        _members.setdefault(group, set()).add(channel_name)
-    elif group in _members:
-        _members[group].discard(channel_name)
+        members.setdefault(group, set()).add(channel_name)
+    elif group in members:
+        members[group].discard(channel_name)
     for attempt in (1, 2):
         try:
             if join:

@@ -3,7 +3,6 @@ start: local.py (one API process: the queue and the slots in its board) and shar
 processes: the queue and the slots in PostgreSQL). The shared story: docs/design/shared-admission.md."""
 from __future__ import annotations
 
-import threading
 from collections.abc import Collection
 from datetime import datetime
 from typing import Any, Protocol
@@ -14,6 +13,7 @@ from django.db import connection
 from django.utils import timezone
 
 from potocolom.protocol.worker import ModelEntry
+from potocolom.runtime import Slot, runtime
 from realtime.admission.local import LocalAdmission
 from realtime.admission.shared import SharedAdmission
 from realtime.board import SessionBoard
@@ -66,22 +66,23 @@ class SessionAdmission(Protocol):
     def release(self) -> None: ...
 
 
-_instance: SessionAdmission | None = None
-_instance_lock = threading.Lock()
-
-
 def shared_admission_configured() -> bool:
     """Admission is shared when the job queue is (JOB_QUEUE=redis) and the database is PostgreSQL (its
     advisory locks serialize admission). Otherwise each process admits alone, as with one process."""
     return bool(settings.JOB_QUEUE == "redis") and connection.vendor == "postgresql"
 
 
+def _make_admission() -> SessionAdmission:
+    return SharedAdmission() if shared_admission_configured() else LocalAdmission()
+
+
+# Stopping it lets go of its locks (the shared admission's advisory locks).
+ADMISSION: Slot[SessionAdmission] = Slot("realtime.admission", make=_make_admission,
+                                         stop=lambda current: current.release())
+
+
 def _current() -> SessionAdmission:
-    global _instance
-    with _instance_lock:
-        if _instance is None:
-            _instance = SharedAdmission() if shared_admission_configured() else LocalAdmission()
-        return _instance
+    return runtime.get(ADMISSION)
 
 
 def admission() -> SessionAdmission:
@@ -94,12 +95,3 @@ def admission() -> SessionAdmission:
 def board() -> SessionBoard:
     """This process's board, without touching the database (for the event loop's frame path)."""
     return _current().board
-
-
-def reset_admission() -> None:
-    """Forget this process's admission, as a restart does (tests); let go of its locks."""
-    global _instance
-    with _instance_lock:
-        current, _instance = _instance, None
-    if current is not None:
-        current.release()

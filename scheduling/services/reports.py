@@ -62,7 +62,7 @@ def _now_running(job_id: str, *, now: datetime) -> None:
     """The job began its first step: its account hears of it, and its first estimated wait (if this
     process gave one) is measured against the wait it had."""
     jobs_changed([job_id], now=now)
-    ratio = first_etas.started(job_id, at_us=to_microseconds(now))
+    ratio = first_etas().started(job_id, at_us=to_microseconds(now))
     if ratio is not None:
         metrics.eta_checked(error_ratio=ratio)
 

@@ -104,7 +104,7 @@ def job_cancel(*, job: Job, now: datetime) -> Job:
     if not cancelled:
         raise JobAlreadyEnded(f"job {job.id} already ended: {job.state}")
     job_changed_as(job, now=now)
-    first_etas.forget(str(job.id))
+    first_etas().forget(str(job.id))
     _drop_checkpoint(job)
     current = dispatcher()
     current.remove(str(job.id))
@@ -140,7 +140,7 @@ def job_pause(*, job: Job, now: datetime) -> Job:
     if Job.objects.filter(id=job.id, state=JobState.QUEUED).update(state=JobState.PAUSED):
         dispatcher().remove(str(job.id))
         jobs_changed([str(job.id)], now=now)
-        first_etas.forget(str(job.id))
+        first_etas().forget(str(job.id))
     elif Job.objects.filter(id=job.id, state__in=HELD_STATES, pause_requested=False).update(pause_requested=True):
         worker_id = Job.objects.filter(id=job.id).values_list("worker_id", flat=True).first()
         _preempt(dispatcher(), str(job.id), worker_id, now=now)

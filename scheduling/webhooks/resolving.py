@@ -10,12 +10,14 @@ from collections.abc import Callable
 from django.conf import settings
 from django.utils.module_loading import import_string
 
+from potocolom.runtime import Slot, runtime
 from scheduling.webhooks.addresses import Target, addresses_problem, parse_webhook_url
 
 RESOLVE_SECONDS = 2.0  # the contract's bound on a lookup: a slower host is refused
 MAX_LOOKUPS_IN_FLIGHT = 32  # lookups stuck past their bound keep a thread each: at most this many
 Resolver = Callable[[str, int], list[str]]
-_lookups = threading.BoundedSemaphore(MAX_LOOKUPS_IN_FLIGHT)
+LOOKUPS_IN_FLIGHT = Slot("scheduling.webhooks.lookups",
+                         make=lambda: threading.BoundedSemaphore(MAX_LOOKUPS_IN_FLIGHT))
 
 
 class WebhookRefused(Exception):
@@ -40,17 +42,18 @@ def configured_resolver() -> Resolver:
 def resolve_within(host: str, port: int, *, resolve: Resolver, seconds: float = RESOLVE_SECONDS) -> list[str]:
     """`resolve(host, port)` in a thread of its own, given at most `seconds` (getaddrinfo has no
     timeout of its own); WebhookRefused when it fails or takes longer."""
-    if not _lookups.acquire(timeout=seconds):
+    lookups = runtime.get(LOOKUPS_IN_FLIGHT)
+    if not lookups.acquire(timeout=seconds):
         raise WebhookRefused(f"its host could not be looked up within {seconds:g} s (too many lookups under way)")
     outcome: dict[str, object] = {}
 
     def lookup() -> None:
         try:
             outcome["addresses"] = resolve(host, port)
-        except Exception as exc:  # noqa: BLE001  (any resolver failure is "does not resolve")
+        except Exception as exc:  # any resolver failure is "does not resolve"
             outcome["error"] = exc
         finally:
-            _lookups.release()
+            lookups.release()
 
     thread = threading.Thread(target=lookup, name="webhook-resolve", daemon=True)
     thread.start()

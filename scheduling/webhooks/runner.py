@@ -1,6 +1,6 @@
-"""The webhook delivery thread of one API process (started by potocolom/asgi.py beside the
-dead-worker sweep): a delivery pass soon after a job with a webhook ends (scheduling.signals) and
-whenever the earliest pending delivery falls due, at least every POLL_SECONDS."""
+"""The webhook delivery thread of one API process: a pass soon after a job with a webhook ends
+(scheduling.signals), and whenever the earliest pending delivery falls due, at least every
+POLL_SECONDS. docs/operations.md, "Webhooks"."""
 from __future__ import annotations
 
 import logging
@@ -12,7 +12,8 @@ from django.conf import settings
 from django.db import close_old_connections
 from django.utils import timezone
 
-from potocolom.threads import ProcessThread
+from potocolom.runtime import Slot
+from potocolom.threads import ProcessThread, start_when_served, stop_thread
 from scheduling.signals import webhook_due
 from scheduling.webhooks.delivery import webhooks_deliver
 from scheduling.webhooks.services import webhook_next_due
@@ -67,14 +68,5 @@ class WebhookRunner(ProcessThread):
         return min(POLL_SECONDS, max(0.0, (next_due - self.clock()).total_seconds()))
 
 
-_runner = WebhookRunner()
-
-
-def webhooks_start() -> bool:
-    """Start this process's delivery thread (a no-op when it runs already)."""
-    return _runner.start()
-
-
-def webhooks_stop() -> None:
-    """Stop the delivery thread (tests)."""
-    _runner.stop()
+# Webhook deliveries due in the database are sent by every served process, whichever wrote them.
+WEBHOOK_RUNNER = Slot("scheduling.webhooks.runner", make=WebhookRunner, start=start_when_served, stop=stop_thread)

@@ -10,7 +10,8 @@ import uuid
 import pytest
 from channels.db import database_sync_to_async
 
-from scheduling.dispatcher import reset_dispatcher
+from potocolom.runtime import runtime
+from scheduling.dispatcher import DISPATCHER
 from tests.helpers import api_client, eventually, job_row, job_states, submit_jobs, tiny_png
 from tests.support.worker_sockets import hello_v2
 
@@ -149,7 +150,7 @@ async def test_after_a_restart_a_v2_hello_keeps_the_jobs_it_lists_and_the_others
     old = workers("host-a:0")
     await old.join(["tiny-a"])
     await old.jobs(2)
-    reset_dispatcher()  # the API process restarts
+    runtime.reset(DISPATCHER)  # the API process restarts
     await old.close()
 
     back = v2_workers("host-a:0")
@@ -167,7 +168,7 @@ async def test_a_job_a_v2_hello_lists_that_the_api_does_not_give_that_worker_get
     old = workers("host-a:0")
     await old.join(["tiny-a"])
     await old.jobs(2)
-    reset_dispatcher()
+    runtime.reset(DISPATCHER)
     await old.close()
     await cancel(alice, ids[0])  # while it was away
     stranger = str(uuid.uuid4())
@@ -192,7 +193,7 @@ async def test_after_a_restart_a_v1_hello_keeps_every_job(alice, workers):
     old = workers("host-a:0")
     await old.join(["tiny-a"])
     await old.jobs(2)
-    reset_dispatcher()
+    runtime.reset(DISPATCHER)
     await old.close()
 
     back = workers("host-a:0")

@@ -12,7 +12,8 @@ from django.utils import timezone
 
 from fleet.lifecycle import dead_workers_sweep
 from fleet.sweeper import DeadWorkerSweeper
-from scheduling.dispatcher import reset_dispatcher
+from potocolom.runtime import runtime
+from scheduling.dispatcher import DISPATCHER
 from tests.helpers import eventually, job_row, submit_jobs
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -37,7 +38,7 @@ async def a_worker_whose_process_died(workers, account) -> list[str]:
     worker = workers("host-a:0")
     await worker.join(["tiny-a"])
     await worker.jobs(2)
-    reset_dispatcher()
+    runtime.reset(DISPATCHER)
     await worker.close()  # the socket went with that process: this one never heard it close
     return ids
 

@@ -109,12 +109,13 @@ def test_pausing_a_paused_job_changes_nothing(alice, submit, post):
 
 
 def test_a_paused_job_is_not_queued_again_by_a_restarted_api(alice, submit, post):
-    from scheduling.dispatcher import dispatcher, reset_dispatcher
+    from potocolom.runtime import runtime
+    from scheduling.dispatcher import DISPATCHER, dispatcher
 
     kept, paused = submit(alice), submit(alice)
     post(alice, paused, "pause")
 
-    reset_dispatcher()  # what a restarted API process has: only the database
+    runtime.reset(DISPATCHER)  # what a restarted API process has: only the database
 
     assert [job.job_id for job in dispatcher().queues.queued("tiny-a")] == [kept]
     assert shown(alice, paused)["position"] is None

@@ -12,9 +12,10 @@ from channels.db import database_sync_to_async
 from django.core.files.storage import default_storage
 from django.utils import timezone
 
+from potocolom.runtime import runtime
 from scheduling import services
 from scheduling.checkpoints import checkpoint_read
-from scheduling.dispatcher import reset_dispatcher
+from scheduling.dispatcher import DISPATCHER
 from tests.helpers import api_client, eventually, job_row, job_states, register_model, submit_jobs, tiny_png
 from tests.support.worker_sockets import V2Worker
 
@@ -225,7 +226,7 @@ async def test_a_worker_back_after_an_api_restart_still_holding_a_job_being_paus
     await old.jobs(1)
     await post(alice, job_id, "pause")
     assert (await old.receive())["type"] == "preempt"
-    reset_dispatcher()  # the API process restarts before the worker's answer arrives
+    runtime.reset(DISPATCHER)  # the API process restarts before the worker's answer arrives
     await old.close()
 
     back = v2_workers("host-a:0")

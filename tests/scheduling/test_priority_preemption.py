@@ -138,11 +138,12 @@ async def test_an_urgent_job_cancelled_before_the_answer_leaves_the_place_to_the
 
 
 async def test_after_an_api_restart_the_jobs_a_worker_still_holds_can_be_preempted(alice, v2_workers):
-    from scheduling.dispatcher import reset_dispatcher
+    from potocolom.runtime import runtime
+    from scheduling.dispatcher import DISPATCHER
 
     worker = v2_workers()
     ids = await holding_two_of(alice, worker)
-    reset_dispatcher()  # what the database says is all this process knows now
+    runtime.reset(DISPATCHER)  # what the database says is all this process knows now
     again = v2_workers()  # the same worker, connecting again
     await again.join(["tiny-a"], jobs=ids)
     await again.progress(ids[0], 1, 10)  # handled once its hello has been, to the end

@@ -8,8 +8,9 @@ import pytest
 from channels.db import database_sync_to_async
 from django.utils import timezone
 
+from potocolom.runtime import runtime
 from scheduling import services
-from scheduling.dispatcher import dispatcher, reset_dispatcher
+from scheduling.dispatcher import DISPATCHER, dispatcher
 from scheduling.models import Job, JobState
 from scheduling.services import JobRequest, job_submit
 from tests.helpers import (
@@ -25,7 +26,7 @@ PROMPT = {"prompt": "a red circle"}
 
 def restart() -> None:
     """What a restarted API process has: no in-process state, only the database."""
-    reset_dispatcher()
+    runtime.reset(DISPATCHER)
 
 
 # --- order and positions (REST) -----------------------------------------------------------------

@@ -32,9 +32,9 @@ async def answer(communicator: ApplicationCommunicator) -> tuple[int, dict[bytes
 
 
 async def test_a_declared_length_over_the_limit_is_refused_before_the_body_is_read():
-    from potocolom.asgi import django_http_app
+    from potocolom.asgi import application
 
-    communicator = ApplicationCommunicator(django_http_app, scope([(b"content-length", str(LIMIT + 1).encode())]))
+    communicator = ApplicationCommunicator(application, scope([(b"content-length", str(LIMIT + 1).encode())]))
 
     status, headers, body = await answer(communicator)  # nothing of the body was sent at all
 
@@ -44,9 +44,9 @@ async def test_a_declared_length_over_the_limit_is_refused_before_the_body_is_re
 
 
 async def test_a_body_without_a_length_is_refused_once_it_passes_the_limit():
-    from potocolom.asgi import django_http_app
+    from potocolom.asgi import application
 
-    communicator = ApplicationCommunicator(django_http_app, scope([(b"transfer-encoding", b"chunked")]))
+    communicator = ApplicationCommunicator(application, scope([(b"transfer-encoding", b"chunked")]))
     for _ in range(4):
         await communicator.send_input({"type": "http.request", "body": b" " * 1024, "more_body": True})
     assert await communicator.receive_nothing(0.2)  # 4096 bytes: at the limit, still read
@@ -59,10 +59,10 @@ async def test_a_body_without_a_length_is_refused_once_it_passes_the_limit():
 
 
 async def test_a_body_within_the_limit_reaches_the_api():
-    from potocolom.asgi import django_http_app
+    from potocolom.asgi import application
 
     content = b'{"params": {"prompt": "x"}}'
-    communicator = ApplicationCommunicator(django_http_app, scope([(b"content-length", str(len(content)).encode())]))
+    communicator = ApplicationCommunicator(application, scope([(b"content-length", str(len(content)).encode())]))
     await communicator.send_input({"type": "http.request", "body": content, "more_body": False})
 
     status, _, body = await answer(communicator)
