@@ -8,6 +8,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import parse_qs
 
@@ -18,6 +19,14 @@ from django.utils import timezone
 from fleet import lifecycle
 from potocolom.protocol import close_codes
 from potocolom.protocol.errors import MessageError
+from potocolom.protocol.events import (
+    JobsAvailable,
+    SessionFrame,
+    WorkerCancel,
+    WorkerPlace,
+    WorkerPreempt,
+    WorkerReplaced,
+)
 from potocolom.protocol.worker import (
     PROTOCOL_V1,
     PROTOCOL_V2,
@@ -55,6 +64,7 @@ from scheduling import services as jobs
 from workers import services
 from workers.errors import WorkerIdTaken
 from workers.liveness import worker_is_dead
+from workers.placement_state import LOAD
 
 log = logging.getLogger(__name__)
 
@@ -120,14 +130,10 @@ class WorkerConsumer(RelayConsumer):
             log.warning("worker %s: bad message: %s", self.worker_id or "(no hello)", exc)
 
     async def on_message(self, message: WorkerMessage) -> None:
-        """Any message after the hello."""
+        """Any message after the hello, to its handler `on_<type>` (channels' rule); a failure of a
+        handler is logged and leaves the socket open."""
         try:
-            if isinstance(message, FrameResult):
-                await self.on_frame_result(message)
-            elif isinstance(message, (JobResult, JobFailed, JobPreempted)):
-                await self.on_final(message)
-            elif not isinstance(message, Heartbeat):
-                await database_sync_to_async(self.handle)(message)
+            await getattr(self, f"on_{message.type}")(message)
             await self.heard()
         except (ValueError, MessageError):
             raise
@@ -165,14 +171,19 @@ class WorkerConsumer(RelayConsumer):
         replaced = await database_sync_to_async(lifecycle.worker_connected)(
             hello=hello, channel_name=self.channel_name, arrival=arrival, now=timezone.now())
         if replaced:
-            await relay.send(replaced, {"type": "worker.replaced"})
+            await relay.send(replaced, WorkerReplaced().to_event())
 
-    async def on_final(self, message: JobResult | JobFailed | JobPreempted) -> None:
+    async def in_database(self, service: Callable[..., object], **fields: Any) -> None:
+        """Call a service with this worker's id and the time, on the database thread."""
+        await database_sync_to_async(service)(worker_id=self.worker_id or "", now=timezone.now(), **fields)
+
+    async def store_final(self, message: JobResult | JobFailed | JobPreempted, service: Callable[..., object],
+                          **fields: Any) -> None:
         """Store a job's result, failure or preemption; a v2 worker gets job_ack once it is stored
         (also when it changed nothing: a duplicate, or a job it no longer holds). A storage or
         database error is logged and not acked: the worker sends it again."""
         try:
-            await database_sync_to_async(self.handle)(message)
+            await self.in_database(service, job_id=message.job_id, **fields)
         except Exception:
             log.exception("worker %s: could not store the %s of job %s; not acknowledged", self.worker_id,
                           message.type, message.job_id)
@@ -180,60 +191,72 @@ class WorkerConsumer(RelayConsumer):
         if self.protocol >= PROTOCOL_V2:
             await self.send(text_data=json.dumps(JobAck(message.job_id).to_wire()))
 
-    def handle(self, message: WorkerMessage) -> None:
-        """A job or session message: the service it concerns (on the database thread)."""
-        worker_id, now = self.worker_id or "", timezone.now()
-        if isinstance(message, JobStarted):
-            jobs.job_started(worker_id=worker_id, job_id=message.job_id, now=now)
-        elif isinstance(message, JobProgress):
-            jobs.job_progress(worker_id=worker_id, job_id=message.job_id, step=message.step, steps=message.steps,
-                              preview=message.preview, now=now)
-        elif isinstance(message, JobResult):
-            jobs.job_finish(worker_id=worker_id, job_id=message.job_id, images=message.images,
-                            gpu_ms=message.gpu_ms, rung=message.rung, now=now)
-        elif isinstance(message, JobFailed):
-            jobs.job_fail(worker_id=worker_id, job_id=message.job_id, error=message.error, now=now)
-        elif isinstance(message, JobPreempted):
-            checkpoint = None if message.checkpoint is None else checkpoint_bytes(message.checkpoint)
-            jobs.job_preempted(worker_id=worker_id, job_id=message.job_id, step=message.step, steps=message.steps,
-                               checkpoint=checkpoint, now=now)
-        elif isinstance(message, JobCheckpoint):
-            jobs.job_checkpoint(worker_id=worker_id, job_id=message.job_id, step=message.step, steps=message.steps,
-                                checkpoint=checkpoint_bytes(message.checkpoint), now=now)
-        elif isinstance(message, SessionAccepted):
-            sessions.session_accept(worker_id=worker_id, session_id=message.session_id,
-                                    channel_name=self.channel_name, now=now)
-        elif isinstance(message, SessionRefused):
-            sessions.session_refuse(worker_id=worker_id, session_id=message.session_id, reason=message.reason,
-                                    now=now)
-        elif isinstance(message, Draining):
-            log.info("worker %s is draining: no new job or session goes to it", worker_id)
-            lifecycle.worker_draining(worker_id=worker_id, channel_name=self.channel_name, now=now)
-        elif isinstance(message, SessionEnded):
-            # Only a draining worker ends sessions itself, after `draining`, which already sent
-            # its sessions back to the queue: nothing is left to do.
-            log.info("worker %s ended session %s", worker_id, message.session_id)
-        elif isinstance(message, RungChanged):
-            lifecycle.worker_rung_changed(worker_id=worker_id, entry=message.entry, channel_name=self.channel_name,
-                                          now=now)
-        elif isinstance(message, ModelLoaded):
-            log.info("worker %s loaded %s on rung %s", worker_id, message.entry.model_id, message.entry.rung)
-            lifecycle.worker_model_loaded(worker_id=worker_id, entry=message.entry, gpu=message.gpu,
-                                          channel_name=self.channel_name, now=now)
-        elif isinstance(message, ModelLoadFailed):
-            log.warning("worker %s could not load %s: %s", worker_id, message.model_id, message.error)
-            lifecycle.worker_model_load_failed(worker_id=worker_id, model_id=message.model_id, error=message.error,
-                                               gpu=message.gpu, now=now)
-        elif isinstance(message, ModelUnloaded):
-            log.info("worker %s unloaded %s", worker_id, message.model_id)
-            lifecycle.worker_model_unloaded(worker_id=worker_id, model_id=message.model_id, gpu=message.gpu, now=now)
+    # one handler per worker message (after the hello)
+
+    async def on_heartbeat(self, message: Heartbeat) -> None:
+        """Nothing but being heard."""
+
+    async def on_job_started(self, message: JobStarted) -> None:
+        await self.in_database(jobs.job_started, job_id=message.job_id)
+
+    async def on_job_progress(self, message: JobProgress) -> None:
+        await self.in_database(jobs.job_progress, job_id=message.job_id, step=message.step, steps=message.steps,
+                               preview=message.preview)
+
+    async def on_job_result(self, message: JobResult) -> None:
+        await self.store_final(message, jobs.job_finish, images=message.images, gpu_ms=message.gpu_ms,
+                               rung=message.rung)
+
+    async def on_job_failed(self, message: JobFailed) -> None:
+        await self.store_final(message, jobs.job_fail, error=message.error)
+
+    async def on_job_preempted(self, message: JobPreempted) -> None:
+        checkpoint = None if message.checkpoint is None else checkpoint_bytes(message.checkpoint)
+        await self.store_final(message, jobs.job_preempted, step=message.step, steps=message.steps,
+                               checkpoint=checkpoint)
+
+    async def on_job_checkpoint(self, message: JobCheckpoint) -> None:
+        await self.in_database(jobs.job_checkpoint, job_id=message.job_id, step=message.step, steps=message.steps,
+                               checkpoint=checkpoint_bytes(message.checkpoint))
+
+    async def on_session_accepted(self, message: SessionAccepted) -> None:
+        await self.in_database(sessions.session_accept, session_id=message.session_id,
+                               channel_name=self.channel_name)
+
+    async def on_session_refused(self, message: SessionRefused) -> None:
+        await self.in_database(sessions.session_refuse, session_id=message.session_id, reason=message.reason)
+
+    async def on_session_ended(self, message: SessionEnded) -> None:
+        """Only a draining worker ends sessions itself, after `draining`, which already sent its
+        sessions back to the queue: nothing is left to do."""
+        log.info("worker %s ended session %s", self.worker_id, message.session_id)
+
+    async def on_draining(self, message: Draining) -> None:
+        log.info("worker %s is draining: no new job or session goes to it", self.worker_id)
+        await self.in_database(lifecycle.worker_draining, channel_name=self.channel_name)
+
+    async def on_rung_changed(self, message: RungChanged) -> None:
+        await self.in_database(lifecycle.worker_rung_changed, entry=message.entry, channel_name=self.channel_name)
+
+    async def on_model_loaded(self, message: ModelLoaded) -> None:
+        log.info("worker %s loaded %s on rung %s", self.worker_id, message.entry.model_id, message.entry.rung)
+        await self.in_database(lifecycle.worker_model_loaded, entry=message.entry, gpu=message.gpu,
+                               channel_name=self.channel_name)
+
+    async def on_model_load_failed(self, message: ModelLoadFailed) -> None:
+        log.warning("worker %s could not load %s: %s", self.worker_id, message.model_id, message.error)
+        await self.in_database(lifecycle.worker_model_load_failed, model_id=message.model_id, error=message.error,
+                               gpu=message.gpu)
+
+    async def on_model_unloaded(self, message: ModelUnloaded) -> None:
+        log.info("worker %s unloaded %s", self.worker_id, message.model_id)
+        await self.in_database(lifecycle.worker_model_unloaded, model_id=message.model_id, gpu=message.gpu)
 
     async def on_frame_result(self, result: FrameResult) -> None:
         """A frame goes straight to its browser (no database on this path)."""
         browser = sessions.frame_result_route(worker_id=self.worker_id or "", session_id=result.session_id)
         if browser is not None:
-            await relay.send(browser, {"type": "session.frame", "seq": result.seq,
-                                       "image": result.image, "gpu_ms": result.gpu_ms})
+            await relay.send(browser, SessionFrame(result.seq, result.image, result.gpu_ms).to_event())
 
     async def watch(self) -> None:
         """Every heartbeat period: a revoked token closes the socket (4001), and a worker silent for
@@ -285,33 +308,34 @@ class WorkerConsumer(RelayConsumer):
     async def jobs_available(self, event: dict[str, Any]) -> None:
         """A job waits that the process that queued it could not place: look at the queue again."""
         if self.worker_id is not None and not self.lost:
-            await lifecycle.dispatch_soon(waiting=jobs.waiting_of(event))
+            await lifecycle.dispatch_soon(waiting=jobs.waiting_of(JobsAvailable.parse(event)))
 
     async def worker_cancel(self, event: dict[str, Any]) -> None:
         """Another process cancelled (or requeued) a job of this worker: tell it, free its place."""
-        if event.get("worker_id") == self.worker_id and not self.lost:
-            await self.send(text_data=json.dumps(Cancel(event["job_id"]).to_wire()))
-            await database_sync_to_async(jobs.job_left_worker)(worker_id=self.worker_id or "",
-                                                               job_id=event["job_id"], now=timezone.now())
+        cancel = WorkerCancel.parse(event)
+        if cancel.worker_id == self.worker_id and not self.lost:
+            await self.send(text_data=json.dumps(Cancel(cancel.job_id).to_wire()))
+            await self.in_database(jobs.job_left_worker, job_id=cancel.job_id)
 
     async def worker_preempt(self, event: dict[str, Any]) -> None:
         """Another process paused a job of this worker: it is preempted here (or cancelled on v1)."""
-        if event.get("worker_id") == self.worker_id and not self.lost:
-            await database_sync_to_async(jobs.job_preempt_held)(worker_id=self.worker_id or "",
-                                                                job_id=str(event.get("job_id", "")), now=timezone.now())
+        preempt = WorkerPreempt.parse(event)
+        if preempt.worker_id == self.worker_id and not self.lost:
+            await self.in_database(jobs.job_preempt_held, job_id=preempt.job_id)
 
     async def worker_place(self, event: dict[str, Any]) -> None:
         """Placement's action for this worker (fleet.placement.driver), in the order planned: load_model at
         once; unload_model only once the model takes no new work here and holds none."""
-        if event.get("worker_id") != self.worker_id or self.lost or self.protocol < PROTOCOL_V2:
+        place = WorkerPlace.parse(event)
+        if place.worker_id != self.worker_id or self.lost or self.protocol < PROTOCOL_V2:
             return
-        model_id = str(event.get("model_id", ""))
-        if event.get("action") == "load":
-            await self.send(text_data=json.dumps(LoadModel(model_id, event.get("rung")).to_wire()))
+        if place.action == LOAD:
+            await self.send(text_data=json.dumps(LoadModel(place.model_id, place.rung).to_wire()))
             return
         if await database_sync_to_async(lifecycle.worker_model_unload_begins)(
-                worker_id=self.worker_id or "", model_id=model_id, channel_name=self.channel_name, now=timezone.now()):
-            await self.send(text_data=json.dumps(UnloadModel(model_id).to_wire()))
+                worker_id=self.worker_id or "", model_id=place.model_id, channel_name=self.channel_name,
+                now=timezone.now()):
+            await self.send(text_data=json.dumps(UnloadModel(place.model_id).to_wire()))
 
     async def socket_send(self, event: dict[str, Any]) -> None:
         """A message for the worker from a service (job, cancel, session_start, session_end). A

@@ -16,6 +16,7 @@ from potocolom import metrics
 from potocolom.protocol import close_codes
 from potocolom.protocol.browser import Error, Frame, image_data_url, parse_browser_message
 from potocolom.protocol.errors import MessageError
+from potocolom.protocol.events import SessionBack, SessionFrame, SessionFrameDue, SessionLive
 from potocolom.protocol.worker import FrameOrder
 from potocolom.transport import relay
 from potocolom.transport.notify import socket_event
@@ -111,7 +112,7 @@ class SessionConsumer(RelayConsumer):
         if deadline is not None:
             # Into this consumer's own inbox: handled in turn with everything else it does.
             self.due_timer = asyncio.get_running_loop().call_at(
-                deadline, relay.deliver_local, self.channel_name, {"type": "session.frame_due"})
+                deadline, relay.deliver_local, self.channel_name, SessionFrameDue().to_event())
 
     async def session_frame_due(self, event: dict[str, Any]) -> None:
         """The frame in flight went unanswered too long: the newest kept frame goes anyway."""
@@ -148,11 +149,12 @@ class SessionConsumer(RelayConsumer):
         waited, and watch for idleness from now. (Several API processes: the news may be stale.)"""
         if self.session_id is None:
             return
-        if "placement" in event and not services.session_live_here(session_id=self.session_id, event=event,
-                                                                    now=timezone.now()):
+        live = SessionLive.parse(event)
+        if live.placement is not None and not services.session_live_here(session_id=self.session_id, live=live,
+                                                                          now=timezone.now()):
             return
-        await self.send_json(event["message"])
-        await self.forward(self.gate.went_live(now=time.monotonic()), event.get("worker_channel"))
+        await self.send_json(live.message)
+        await self.forward(self.gate.went_live(now=time.monotonic()), live.worker_channel)
         if self.idle_watch is None or self.idle_watch.done():
             self.idle_watch = asyncio.create_task(self.watch_idle())
 
@@ -160,12 +162,13 @@ class SessionConsumer(RelayConsumer):
         """Several API processes: the slot was lost (its worker died or was demoted); frames wait
         until the session is live again."""
         if self.session_id is not None:
-            services.session_back_here(session_id=self.session_id, placement=event["placement"])
+            services.session_back_here(session_id=self.session_id, placement=SessionBack.parse(event).placement)
 
     async def session_frame(self, event: dict[str, Any]) -> None:
         """A worker's result: shown unless a newer frame was already shown; the newest kept frame
         goes next."""
-        seq = event["seq"]
+        frame = SessionFrame.parse(event)
+        seq = frame.seq
         await self.forward(self.gate.answered(seq, now=time.monotonic()))
         if seq <= self.last_sent_seq:
             return
@@ -178,7 +181,7 @@ class SessionConsumer(RelayConsumer):
             elapsed = time.monotonic() - arrived
             self.frame_seconds.observe(elapsed)
             ms = round(elapsed * 1000, 3)
-        await self.send_json(Frame(seq, image_data_url(event["image"]), ms).to_wire())
+        await self.send_json(Frame(seq, image_data_url(frame.image), ms).to_wire())
 
     async def session_end(self, event: dict[str, Any]) -> None:
         """An operator ended the session."""

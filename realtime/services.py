@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 from datetime import datetime
-from typing import Any
 
 from django.conf import settings
 from django.contrib.auth.models import User
@@ -13,6 +12,7 @@ from django.db import transaction
 
 from models_registry.selectors import registered_manifests
 from potocolom.protocol.browser import Idle
+from potocolom.protocol.events import SessionLive
 from potocolom.protocol.worker import ModelEntry
 from potocolom.signals import work_ended, work_waiting
 from potocolom.transport.notify import to_socket_after_commit
@@ -150,11 +150,11 @@ def sessions_sweep(*, now: datetime) -> None:
     current.sweep(now=now)
 
 
-def session_live_here(*, session_id: str, event: dict[str, Any], now: datetime) -> bool:
+def session_live_here(*, session_id: str, live: SessionLive, now: datetime) -> bool:
     """Several API processes, in the browser's process: news of going live; whether it applies
     (then the consumer sends the newest frame it kept meanwhile)."""
-    return board().live_here(session_id, worker_id=event["worker_id"], worker_channel=event["worker_channel"],
-                             placement=event["placement"], now=now) is not None
+    return board().live_here(session_id, worker_id=live.worker_id or "", worker_channel=live.worker_channel,
+                             placement=live.placement or 0, now=now) is not None
 
 
 def session_back_here(*, session_id: str, placement: int) -> bool:

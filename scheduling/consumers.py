@@ -13,6 +13,7 @@ from channels.db import database_sync_to_async
 from django.conf import settings
 
 from potocolom.protocol import close_codes
+from potocolom.protocol.events import JobChanged, JobProgressed
 from potocolom.transport import relay
 from potocolom.transport.relay import RelayConsumer
 from potocolom.web.sockets import socket_account
@@ -63,8 +64,9 @@ class JobEventsConsumer(RelayConsumer):
 
     async def jobs_job(self, event: dict[str, Any]) -> None:
         """A job of the account changed state: the job as GET /api/v1/jobs/ID/ shows it."""
-        job, position, eta = job_of_snapshot(event["job"])
-        if not self._wants(event.get("account"), str(job.id)):
+        changed = JobChanged.parse(event)
+        job, position, eta = job_of_snapshot(changed.job)
+        if not self._wants(changed.account, str(job.id)):
             return
         render = partial(job_payload, job, position=position, eta_seconds=eta, image_url=self._absolute)
         # a job with a webhook shows its delivery, read from the database
@@ -74,15 +76,17 @@ class JobEventsConsumer(RelayConsumer):
     async def jobs_progress(self, event: dict[str, Any]) -> None:
         """A worker's job_progress for a job of the account, its preview as sent (the worker's base64
         JPEG as the data URL the contract gives browsers)."""
-        if not self._wants(event.get("account"), str(event.get("job_id"))):
+        progress = JobProgressed.parse(event)
+        if not self._wants(progress.account, progress.job_id):
             return
-        message = {"type": "job_progress", "job_id": event["job_id"], "step": event["step"], "steps": event["steps"]}
-        if event.get("preview") is not None:
-            preview = event["preview"]
+        message: dict[str, Any] = {"type": "job_progress", "job_id": progress.job_id, "step": progress.step,
+                                   "steps": progress.steps}
+        if progress.preview is not None:
+            preview = progress.preview
             message["preview"] = preview if preview.startswith("data:") else JPEG_DATA_URL + preview
         await self.send(text_data=json.dumps(message))
 
-    def _wants(self, account: Any, job_id: str) -> bool:
+    def _wants(self, account: str, job_id: str) -> bool:
         """Only the account's own events, and of those the jobs named, when some were."""
         return (self.account_id is not None and account == self.account_id
                 and (not self.job_ids or job_id in self.job_ids))

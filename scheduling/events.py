@@ -15,6 +15,7 @@ from django.db import transaction
 from django.db.models import DateTimeField, Q
 from django.utils import timezone
 
+from potocolom.protocol.events import JobChanged, JobProgressed
 from potocolom.runtime import Slot, runtime
 from potocolom.transport import relay
 from scheduling import selectors
@@ -22,8 +23,6 @@ from scheduling.images import INIT_IMAGE, ParamsWithoutImage
 from scheduling.models import Job
 
 log = logging.getLogger(__name__)
-JOB_EVENT = "jobs.job"  # a job's state, for the consumers of its account's group
-PROGRESS_EVENT = "jobs.progress"  # a worker's job_progress, relayed
 # A job's row as an event carries it: every column but params (which may hold an init image); the
 # params as shown, without it.
 _FIELDS = tuple(f.attname for f in Job._meta.concrete_fields if f.attname != "params")
@@ -56,10 +55,7 @@ def job_changed_as(job: Job, *, now: datetime | None = None) -> None:
 def job_progressed(*, account_id: int | str, job_id: str, step: int, steps: int, preview: str | None) -> None:
     """A worker's job_progress for the job's account, after the commit; a preview is passed on as
     sent and kept nowhere."""
-    event: dict[str, Any] = {"type": PROGRESS_EVENT, "account": str(account_id), "job_id": job_id, "step": step,
-                             "steps": steps}
-    if preview is not None:
-        event["preview"] = preview
+    event = JobProgressed(str(account_id), job_id, step, steps, preview).to_event()
     transaction.on_commit(partial(relay.group_send_everywhere_sync, account_group(account_id), event))
 
 
@@ -86,9 +82,9 @@ def _publish(jobs: Sequence[Job], *, now: datetime | None) -> None:
         log.exception("could not place jobs for their events")
         positions, etas = {}, {}
     for job in jobs:
-        event = {"type": JOB_EVENT, "account": str(job.account_id),
-                 "job": snapshot_of(job, position=positions.get(str(job.id)), eta_seconds=etas.get(str(job.id)))}
-        relay.group_send_everywhere_sync(account_group(job.account_id), event)
+        snapshot = snapshot_of(job, position=positions.get(str(job.id)), eta_seconds=etas.get(str(job.id)))
+        relay.group_send_everywhere_sync(account_group(job.account_id), JobChanged(str(job.account_id), snapshot)
+                                         .to_event())
 
 
 def snapshot_of(job: Job, *, position: int | None, eta_seconds: float | None) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from django.db import transaction
 
 from models_registry.selectors import registered_ids
 from potocolom.protocol.entries import InstalledEntry
+from potocolom.protocol.events import WorkerPlace
 from potocolom.protocol.rungs import RUNG_FULL
 from potocolom.protocol.worker import ModelEntry
 from potocolom.transport.notify import notify_after_commit
@@ -138,7 +139,6 @@ def worker_rung_set(*, worker_id: str, entry: ModelEntry) -> None:
 
 # --- placement (fleet.placement.driver plans; these write what it sent and what the workers answered) ---
 
-WORKER_PLACE = "worker.place"  # the event a worker's consumer turns into load_model / unload_model
 
 
 def placement_action_record(*, worker: Worker, action: PlacementAction, now: datetime) -> None:
@@ -153,9 +153,8 @@ def placement_action_record(*, worker: Worker, action: PlacementAction, now: dat
         waiting.unloading.append(action.model_id)
     worker.placement = waiting.to_json()
     worker.save(update_fields=["placement"])
-    notify_after_commit(worker.channel_name, {"type": WORKER_PLACE, "worker_id": worker.worker_id,
-                                              "action": action.kind, "model_id": action.model_id,
-                                              "rung": action.rung, "record": record.pk})
+    notify_after_commit(worker.channel_name, WorkerPlace(worker.worker_id, action.kind, action.model_id, action.rung,
+                                                         record.pk).to_event())
 
 
 def placement_records_prune(*, before: datetime) -> int:

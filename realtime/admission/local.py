@@ -13,6 +13,8 @@ from django.contrib.auth.models import User
 from django.db import transaction
 
 from potocolom.protocol.browser import Live, Queued
+from potocolom.protocol.events import SessionEnd as SessionEndEvent
+from potocolom.protocol.events import SessionLive
 from potocolom.protocol.worker import ModelEntry, SessionEnd, SessionStart
 from potocolom.transport.notify import notify_after_commit, to_socket_after_commit
 from realtime import policy
@@ -76,7 +78,7 @@ class LocalAdmission:
     def end(self, *, session_id: str, now: datetime) -> bool:
         browser = self.board.browser_of(session_id)
         if browser is not None:
-            notify_after_commit(browser, {"type": "session.end"})
+            notify_after_commit(browser, SessionEndEvent().to_event())
             return True
         closed = RealtimeSession.objects.filter(id=session_id, state__in=OPEN_STATES).exists()
         session_row_close(session_id=session_id, now=now)
@@ -124,8 +126,8 @@ class LocalAdmission:
             return False
         route = self.board.route(session_id)
         if route.browser:  # its consumer sends the newest frame it kept meanwhile
-            notify_after_commit(route.browser, {"type": "session.live", "worker_channel": channel_name,
-                                                "message": Live(entry.model_id, worker_id).to_wire()})
+            notify_after_commit(route.browser, SessionLive(channel_name, Live(entry.model_id, worker_id).to_wire())
+                                .to_event())
         return True
 
     def refuse(self, *, worker_id: str, session_id: str, now: datetime) -> bool:

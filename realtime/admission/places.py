@@ -8,13 +8,12 @@ import collections
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
+from potocolom.protocol.events import SessionsMoved
 from realtime import policy
 from realtime.policy import QueueKey
 
 RECENT_MOVES = 1024
-SESSIONS_MOVED = "sessions.moved"  # the process-level notice target (potocolom.transport.relay.listen)
 
 
 @dataclass
@@ -54,11 +53,11 @@ class QueuePlaces:
         # the latest moves heard (seq -> (left, joined)), for a correction read before they arrived
         self.recent: collections.OrderedDict[int, tuple[list[QueueKey], list[QueueKey]]] = collections.OrderedDict()
 
-    def moved(self, message: dict[str, Any]) -> list[tuple[str, int]]:
+    def moved(self, moves: SessionsMoved) -> list[tuple[str, int]]:
         """Apply one admission's moves; (browser channel, position) to tell for each change."""
-        seq = int(message["seq"])
-        left = [queue_key(*k) for k in message.get("left", ())]
-        joined = {queue_key(*k): int(position) for k, position in message.get("joined", ())}
+        seq = moves.seq
+        left = [queue_key(*k) for k in moves.left]
+        joined = {queue_key(*k): position for k, position in moves.joined}
         tell: list[tuple[str, int]] = []
         with self.lock:
             self.recent[seq] = (left, list(joined))

@@ -16,11 +16,13 @@ from django.db.models import F, Q
 from django.utils import timezone
 
 from potocolom.protocol.browser import Live, Queued
+from potocolom.protocol.events import SessionBack, SessionLive, SessionsMoved
+from potocolom.protocol.events import SessionEnd as SessionEndEvent
 from potocolom.protocol.worker import ModelEntry, SessionEnd, SessionStart
 from potocolom.transport import relay
 from potocolom.transport.notify import notify_after_commit, socket_event, to_socket_after_commit
 from realtime import policy
-from realtime.admission.places import SESSIONS_MOVED, QueuePlaces
+from realtime.admission.places import QueuePlaces
 from realtime.admission.presence import Presence, admission_lock, alive_processes
 from realtime.board import SessionBoard, SessionEntry
 from realtime.errors import SessionLimitReached
@@ -76,7 +78,7 @@ class SharedAdmission:
         self.board = SessionBoard()
         self.presence = Presence()
         self.places = QueuePlaces(self.board.own_browser)
-        relay.listen(SESSIONS_MOVED, self._moved)
+        relay.listen(SessionsMoved.type, self._moved)
 
     def load(self, *, now: datetime) -> None:
         """Nothing to load: the other processes' sessions are alive (the sweep closes orphans)."""
@@ -97,22 +99,22 @@ class SharedAdmission:
             admission_lock()
             placed, placed_keys = self._first_fit(now)
             taken = {p.session_id for p in placed}
-            entered = []
+            entered: list[tuple[tuple[int, str], int]] = []
             for session_id in [s for s in dict.fromkeys(joined) if s not in taken]:
                 row = RealtimeSession.objects.filter(id=session_id, state=SessionState.QUEUED) \
                     .values_list("joined_at", flat=True).first()
                 if row is not None:
                     ahead = RealtimeSession.objects.filter(state=SessionState.QUEUED).filter(
                         Q(joined_at__lt=row) | Q(joined_at=row, id__lt=session_id)).count()
-                    entered.append([[to_microseconds(row), str(session_id)], ahead + 1])
-            gone = [list(key) for key in left] + [list(key) for key in placed_keys
-                                                  if key[1] not in set(map(str, joined))]
+                    entered.append(((to_microseconds(row), str(session_id)), ahead + 1))
+            gone = [(key[0], key[1]) for key in left] + [(key[0], key[1]) for key in placed_keys
+                                                         if key[1] not in set(map(str, joined))]
             if gone or entered:
                 with connection.cursor() as cursor:
                     cursor.execute(f"SELECT nextval('{MOVES_SEQUENCE}')")
                     seq = int(cursor.fetchone()[0])
-                moves = {"type": SESSIONS_MOVED, "seq": seq, "left": gone, "joined": entered}
-                transaction.on_commit(lambda: relay.notify_all_sync(SESSIONS_MOVED, moves))
+                moves = SessionsMoved(seq, tuple(gone), tuple(entered)).to_event()
+                transaction.on_commit(lambda: relay.notify_all_sync(SessionsMoved.type, moves))
         return placed
 
     def _first_fit(self, now: datetime) -> tuple[list[Placement], list[QueueKey]]:
@@ -157,7 +159,7 @@ class SharedAdmission:
         """News of an admission's queue moves (any process's): tell this process's browsers whose
         position changed."""
         relay.deliver_local_many((browser, socket_event(Queued(position).to_wire()))
-                                 for browser, position in self.places.moved(message))
+                                 for browser, position in self.places.moved(SessionsMoved.parse(message)))
 
     def _resync(self) -> None:
         """The sweep's correction of news lost on the way (the bus is at most once): this process's
@@ -275,7 +277,7 @@ class SharedAdmission:
         if row is None:
             return False
         if row[0] and row[1] in alive_processes():
-            notify_after_commit(row[0], {"type": "session.end"})
+            notify_after_commit(row[0], SessionEndEvent().to_event())
             return True
         with transaction.atomic():
             ended, left = self._close_orphans(RealtimeSession.objects.filter(id=session_id), now=now,
@@ -302,8 +304,8 @@ class SharedAdmission:
         if row is None:
             self.end_on_worker(worker_id, session_id, channel_name)
             return False
-        notify_after_commit(row[2], {"type": "session.live", "worker_id": worker_id, "worker_channel": channel_name,
-                                     "placement": row[3], "message": Live(row[1], worker_id).to_wire()})
+        notify_after_commit(row[2], SessionLive(channel_name, Live(row[1], worker_id).to_wire(), worker_id, row[3])
+                            .to_event())
         return True
 
     def refuse(self, *, worker_id: str, session_id: str, now: datetime) -> bool:
@@ -331,7 +333,7 @@ class SharedAdmission:
                 usage_close(session_id=str(row[0]), now=now)
         for session_id, channel, placement in rows:
             if channel:
-                notify_after_commit(channel, {"type": "session.back", "placement": placement})
+                notify_after_commit(channel, SessionBack(placement).to_event())
             if end_on:
                 to_socket_after_commit(end_on, SessionEnd(str(session_id)).to_wire())
         self.admit(now=now, joined=[str(row[0]) for row in rows])

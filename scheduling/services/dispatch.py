@@ -17,6 +17,7 @@ from django.db import connection
 from django.utils.crypto import salted_hmac
 
 from potocolom import metrics
+from potocolom.protocol.events import JobsAvailable, WaitingJob
 from potocolom.protocol.worker import MAX_CHECKPOINT_CHARS, PROTOCOL_V2, JobOrder, Preempt, Resume
 from potocolom.signals import work_waiting
 from potocolom.transport import relay
@@ -146,8 +147,8 @@ def jobs_dispatch_or_wake(*, queued: Collection[QueuedJob], now: datetime) -> li
         work_waiting.send(sender=QueuedJob, model_id=model_id)  # placement may load it somewhere
     if dispatcher().shared and waiting:
         # every process with a worker looks at the shared queue again (`jobs.available`)
-        relay.group_send_others_sync(WORKERS_GROUP, {"type": "jobs.available",
-                                                     "waiting": [list(job[:5]) for job in waiting]})
+        relay.group_send_others_sync(WORKERS_GROUP, JobsAvailable(tuple(WaitingJob(*job[:5]) for job in waiting))
+                                     .to_event())
     return assignments
 
 
@@ -158,16 +159,9 @@ def jobs_dispatch_for(*, waiting: Collection[QueuedJob], now: datetime) -> None:
     jobs_make_room([job for job in waiting if job.job_id not in taken], now=now)
 
 
-def waiting_of(event: dict[str, Any]) -> list[QueuedJob]:
-    """The waiting jobs a `jobs.available` event names (none from an older process, or a bad entry)."""
-    jobs: list[QueuedJob] = []
-    for entry in event.get("waiting") or ():
-        try:
-            job_id, model_id, priority, submitted_us, account = entry
-            jobs.append(QueuedJob(str(job_id), str(model_id), int(priority), int(submitted_us), str(account)))
-        except (TypeError, ValueError):
-            log.warning("a jobs.available event names a waiting job this process cannot read: %r", entry)
-    return jobs
+def waiting_of(event: JobsAvailable) -> list[QueuedJob]:
+    """The waiting jobs a `jobs.available` event names, as the queue keys them."""
+    return [QueuedJob(*job) for job in event.waiting]
 
 
 def jobs_make_room(waiting: Collection[QueuedJob], *, now: datetime) -> list[QueuedJob]:

@@ -14,6 +14,7 @@ from django.db.models import F
 
 from models_registry.routing import route
 from models_registry.selectors import registered_manifests
+from potocolom.protocol.events import WorkerCancel, WorkerPreempt
 from potocolom.protocol.worker import PROTOCOL_V2, Cancel, Preempt
 from potocolom.transport import relay
 from potocolom.transport.notify import to_socket_after_commit
@@ -87,8 +88,7 @@ def _tell_holder(current: Dispatcher, holder: str | None, job_id: str, worker_id
         to_socket_after_commit(channel, Cancel(job_id).to_wire())
     elif current.shared and (holder or worker_id):
         # Connected to another API process (or to none): the one holding its socket tells it.
-        relay.group_send_sync(WORKERS_GROUP, {"type": "worker.cancel", "worker_id": holder or worker_id,
-                                              "job_id": job_id})
+        relay.group_send_sync(WORKERS_GROUP, WorkerCancel(holder or worker_id or "", job_id).to_event())
 
 
 def job_cancel(*, job: Job, now: datetime) -> Job:
@@ -180,7 +180,7 @@ def _preempt(current: Dispatcher, job_id: str, worker_id: str | None, *, now: da
         return
     if holder is None and current.shared and worker_id and not current.knows(worker_id):
         if not relayed:
-            relay.group_send_sync(WORKERS_GROUP, {"type": "worker.preempt", "worker_id": worker_id, "job_id": job_id})
+            relay.group_send_sync(WORKERS_GROUP, WorkerPreempt(worker_id, job_id).to_event())
         return
     released = current.release(job_id)
     _tell_holder(current, released, job_id, worker_id)

@@ -2,6 +2,7 @@
 what each place remembers of the notices it applied stays bounded however long it waits."""
 from __future__ import annotations
 
+from potocolom.protocol.events import SessionsMoved
 from realtime.admission.places import RECENT_MOVES, Place, QueuePlaces
 
 
@@ -34,6 +35,6 @@ def test_a_session_waiting_through_thousands_of_moves_keeps_its_position_and_lit
     places.places["mine"] = Place((1_000, "mine"), position=3, base=0)
     told = []
     for seq in range(1, 2_001):  # each move: someone of another process joins behind it
-        told += places.moved({"seq": seq, "left": [], "joined": [[[5_000 + seq, f"other-{seq}"], 4]]})
+        told += places.moved(SessionsMoved(seq, left=(), joined=(((5_000 + seq, f"other-{seq}"), 4),)))
     assert places.places["mine"].position == 3 and told == []
     assert places.places["mine"].applied == set() and places.places["mine"].base == 2_000
