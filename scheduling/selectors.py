@@ -118,10 +118,7 @@ def model_loads(model_ids: Collection[str], *, now: datetime) -> dict[str, Model
         if worker.draining:
             continue
         for entry in worker.models:
-            if isinstance(entry, dict) and isinstance(entry.get("model_id"), str):
-                step_ms = entry.get("step_ms")
-                copies.setdefault(entry["model_id"], {})[worker.worker_id] = (
-                    float(step_ms) if isinstance(step_ms, (int, float)) and not isinstance(step_ms, bool) else None)
+            copies.setdefault(entry.model_id, {})[worker.worker_id] = entry.step_ms
     loads = {}
     for model_id in ids:
         pool = copies.get(model_id, {})

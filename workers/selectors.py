@@ -3,15 +3,20 @@ worker's socket, and the model entries of the workers connected now."""
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from django.db import connection
 
+from potocolom.protocol.entries import InstalledEntry, ModelEntry
+from potocolom.protocol.errors import MessageError
 from potocolom.runtime import Slot, runtime
 from workers.liveness import silent_before, up_for_less_than
 from workers.models import PlacementRecord, Worker
+
+T = TypeVar("T")
 
 # When the PostgreSQL server started, per connection of this process (a restart takes them with it).
 SERVER_STARTS: Slot[weakref.WeakKeyDictionary[Any, datetime]] = Slot("workers.database_started",
@@ -58,13 +63,32 @@ def silent_ids(*, seconds: float, now: datetime) -> list[str]:
     return list(Worker.objects.filter(last_seen__lt=cutoff).values_list("worker_id", flat=True))
 
 
+def model_entries(raw: Any) -> tuple[ModelEntry, ...]:
+    """A worker row's served models (written from its hello's entries), typed; an entry that no
+    longer parses (a row of an older version) is left out."""
+    return tuple(_parsed(ModelEntry.parse, raw))
+
+
+def installed_entries(raw: Any) -> tuple[InstalledEntry, ...]:
+    """A worker row's installed models (a v2 hello's `installed`), typed, likewise."""
+    return tuple(_parsed(InstalledEntry.parse, raw))
+
+
+def _parsed(parse: Callable[[Any], T], raw: Any) -> Iterator[T]:
+    for entry in raw if isinstance(raw, list) else ():
+        try:
+            yield parse(entry)
+        except MessageError:
+            continue
+
+
 @dataclass(frozen=True)
 class WorkerSocket:
     """A worker some API process holds the socket of: where to reach it, and its hello's entries."""
 
     worker_id: str
     channel_name: str
-    models: list[dict[str, Any]]
+    models: tuple[ModelEntry, ...]
     draining: bool = False  # it said `draining`: it gets no new session
 
 
@@ -73,7 +97,7 @@ def connected_workers(*, seconds: float, now: datetime) -> list[WorkerSocket]:
     cutoff = silence_cutoff(seconds=seconds, now=now)
     rows = Worker.objects.filter(connected=True, last_seen__gte=cutoff).exclude(channel_name="").values_list(
         "worker_id", "channel_name", "served_models", "draining")
-    return [WorkerSocket(worker_id, channel, list(served or ()), draining)
+    return [WorkerSocket(worker_id, channel, model_entries(served), draining)
             for worker_id, channel, served, draining in rows]
 
 

@@ -31,7 +31,7 @@ from scheduling import selectors as job_reads
 from workers import services
 from workers.models import Worker
 from workers.placement_state import Waiting, epoch, free_mib
-from workers.selectors import silence_cutoff
+from workers.selectors import installed_entries, model_entries, silence_cutoff
 
 log = logging.getLogger(__name__)
 
@@ -137,13 +137,13 @@ def _worker_state(worker: Worker, *, busy: set[tuple[str, str]], used: dict[tupl
     planned around, never acted on: its models count as copies, each one busy."""
     waiting = Waiting.of(worker.placement)
     placeable = worker.installed is not None and worker.protocol >= 2
-    installed = [InstalledModel(e["model_id"], dict(e.get("needs_mib") or {}), e.get("step_ms"))
-                 for e in (worker.installed or []) if isinstance(e, dict) and "model_id" in e] if placeable else []
+    installed = [InstalledModel(e.model_id, dict(e.needs_mib), e.step_ms)
+                 for e in installed_entries(worker.installed)] if placeable else []
     needs = {m.model_id: m.needs_mib for m in installed}
     connected_at = epoch(worker.connected_at or now)
     loaded = []
-    for entry in worker.served_models:
-        model_id, rung = entry.get("model_id"), entry.get("rung", RUNG_FULL)
+    for entry in model_entries(worker.served_models):
+        model_id, rung = entry.model_id, entry.rung
         key = (worker.worker_id, model_id)
         held = waiting.held_mib.get(model_id)
         if held is None:  # preloaded: what the rung needs (weights and working memory on full; offload keeps ~0)

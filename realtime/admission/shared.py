@@ -65,9 +65,9 @@ def capacities(now: datetime) -> tuple[dict[SlotKey, int], dict[str, str]]:
         if worker.draining:
             continue  # a draining worker gives no slot: its sessions went back to the queue
         for entry in worker.models:
-            capacity[(worker.worker_id, entry["model_id"])] = policy.model_slots(
-                realtime=bool(entry.get("realtime")), frame_ms_p95=entry.get("frame_ms_p95"),
-                realtime_slots=int(entry.get("realtime_slots") or 0), frame_budget_ms=budget)
+            capacity[(worker.worker_id, entry.model_id)] = policy.model_slots(
+                realtime=entry.realtime, frame_ms_p95=entry.frame_ms_p95, realtime_slots=entry.realtime_slots,
+                frame_budget_ms=budget)
     return capacity, channels
 
 
