@@ -51,7 +51,7 @@ class WorkerAdmin(admin.ModelAdmin):
         jobs = Job.objects.filter(worker_id=worker.worker_id, state__in=HELD_STATES).values_list("id", "state")
         return ", ".join(f"{job_id} ({state})" for job_id, state in jobs) or "none"
 
-    def has_add_permission(self, request) -> bool:  # type: ignore[no-untyped-def]
+    def has_add_permission(self, request: HttpRequest) -> bool:
         return False
 
 
@@ -90,8 +90,8 @@ class PlacementRecordAdmin(admin.ModelAdmin):
         seconds = record.duration_seconds
         return "" if seconds is None else f"{seconds:.1f} s"
 
-    def has_add_permission(self, request) -> bool:  # type: ignore[no-untyped-def]
+    def has_add_permission(self, request: HttpRequest) -> bool:
         return False
 
-    def has_change_permission(self, request, obj=None) -> bool:  # type: ignore[no-untyped-def]
+    def has_change_permission(self, request: HttpRequest, obj: PlacementRecord | None = None) -> bool:
         return False

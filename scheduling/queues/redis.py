@@ -6,12 +6,13 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 
 from scheduling.policy import QueuedJob, Turn, merge_turns, turn_key
 
+T = TypeVar("T")
 PRIORITY_MAX = 9
 TURN_US_LIMIT = 2**53  # turns are sorted-set scores (doubles): exact below this (the year 2255)
 SUBMITTED_US_LIMIT = 2**52  # (the year 2112) a submission can be a turn key, and turns go past it; 17 digits
@@ -511,7 +512,7 @@ class RecoveringQueues:
         self.load = load
         self.load_turns = load_turns
 
-    def _retry(self, call: Callable[[], Any]) -> Any:
+    def _retry(self, call: Callable[[], T]) -> T:
         try:
             return call()
         except QueueLost:
@@ -539,24 +540,24 @@ class RecoveringQueues:
         return bool(self._retry(lambda: self.redis.push(job)))
 
     def remove(self, job_id: str) -> QueuedJob | None:
-        return self._retry(lambda: self.redis.remove(job_id))  # type: ignore[no-any-return]
+        return self._retry(lambda: self.redis.remove(job_id))
 
     def peek_for(self, model_ids: Iterable[str]) -> QueuedJob | None:
         models = list(model_ids)
-        return self._retry(lambda: self.redis.peek_for(models))  # type: ignore[no-any-return]
+        return self._retry(lambda: self.redis.peek_for(models))
 
     def pop_for(self, model_ids: Iterable[str], *, at_us: int | None = None) -> QueuedJob | None:
         models = list(model_ids)
-        return self._retry(lambda: self.redis.pop_for(models, at_us=at_us))  # type: ignore[no-any-return]
+        return self._retry(lambda: self.redis.pop_for(models, at_us=at_us))
 
     def position(self, job_id: str) -> int | None:
-        return self._retry(lambda: self.redis.position(job_id))  # type: ignore[no-any-return]
+        return self._retry(lambda: self.redis.position(job_id))
 
     def queued(self, model_id: str) -> list[QueuedJob]:
-        return self._retry(lambda: self.redis.queued(model_id))  # type: ignore[no-any-return]
+        return self._retry(lambda: self.redis.queued(model_id))
 
     def counts(self) -> dict[str, int]:
-        return self._retry(self.redis.counts)  # type: ignore[no-any-return]
+        return self._retry(self.redis.counts)
 
     def turns(self) -> list[Turn]:
-        return self._retry(self.redis.turns)  # type: ignore[no-any-return]
+        return self._retry(self.redis.turns)
