@@ -1,7 +1,6 @@
-"""The worker socket /ws/worker/ (token in `Authorization: Token T` or `?token=T`): translates between
-the wire (potocolom.protocol.worker) and fleet.lifecycle, scheduling and realtime. v2 messages
-(job_ack, preempt, a job's resume) go only to a worker whose hello said `"protocol": 2`. The story:
-docs/protocol.md."""
+"""The worker socket /ws/worker/: translates between the wire (potocolom.protocol.worker), with one
+handler per message type, and fleet.lifecycle, scheduling and realtime; v2 messages only to a v2
+worker. docs/protocol.md, "Worker socket"."""
 from __future__ import annotations
 
 import asyncio

@@ -1,7 +1,6 @@
-"""Signals between the apps where the one that knows must not import the one that acts: scheduling
-and realtime say that work waits (a job no worker of this process took, a session queued) or ended
-(a model may be idle now), and workers' placement (fleet.placement.driver) plans again soon. Sent from
-sync code; receivers must return at once (no database, no network: they only wake a thread)."""
+"""Signals where the app that knows must not import the one that acts: scheduling and realtime say
+that work waits or ended, and fleet's placement plans again soon. Receivers return at once (they
+only wake a thread)."""
 from __future__ import annotations
 
 from django.dispatch import Signal

@@ -1,7 +1,5 @@
-"""Frame backpressure, the API's side: while a session is live at most one of its frames is in flight
-to its worker; the next goes after the worker's frame_result for it, or once it waited 2 x
-FRAME_BUDGET_MS; meanwhile only the newest frame is kept. Pure (time passed in); the consumer holds
-one gate per session. The story: docs/design/frame-batching.md ("Backpressure")."""
+"""Frame backpressure, the API's side (pure, time passed in): at most one frame of a live session in
+flight to its worker, only the newest kept meanwhile. docs/design/frame-batching.md, "Backpressure"."""
 from __future__ import annotations
 
 from dataclasses import dataclass

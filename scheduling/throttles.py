@@ -1,14 +1,6 @@
-"""How often an account may submit jobs (JOB_SUBMIT_RATE): a DRF throttle over Django's cache,
-which is Redis when REDIS_URL is set, so the rate holds across every API process.
-
-DRF's own SimpleRateThrottle keeps the time of every request of the window in one cached list,
-read, unpickled, trimmed, pickled and written back whole at each request: at the default 600 a
-minute that is 600 floats each way on the submit path, and more the higher the rate (1.2 ms of a
-submission on PostgreSQL + Redis, profiled). This one keeps two counters per account, this window's and the
-last one's, and estimates the requests of the sliding window from them (the last window's count
-weighted by how much of it the sliding window still covers). When the cache is Redis (REDIS_URL) the
-check and the count are one Lua script on that Redis (one round trip; Django's cache would take
-three, each building a client); otherwise Django's cache (this process's memory)."""
+"""How often an account may submit jobs (JOB_SUBMIT_RATE), across every API process: two counters
+per account estimate the sliding window, one Lua script on Redis (else Django's cache). Why not
+DRF's own: docs/design/http.md, "Submission rate"."""
 from __future__ import annotations
 
 import math

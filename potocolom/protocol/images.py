@@ -1,7 +1,5 @@
-"""Images that arrive from outside (a job's `init_image`, a browser's frame), checked from their
-header before anything decodes their pixels: PNG, JPEG or WebP only, and at most `max_pixels`
-pixels declared. Pillow's `Image.open` reads only the header (decoding waits for `load()`), so a
-20,000 x 20,000 "bomb" of a few kilobytes is refused in microseconds."""
+"""Images from outside (a job's init_image, a browser's frame), checked from their header before
+any pixel is decoded: PNG, JPEG or WebP, at most `max_pixels`. docs/design/http.md, "Images from outside"."""
 from __future__ import annotations
 
 import base64

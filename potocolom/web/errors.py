@@ -1,7 +1,5 @@
-"""Every domain error's answer, in one place: its HTTP status (REST) and its close code (sockets).
-
-REST errors answer with the contract's body `{"error": CODE, "detail": ...}`; nothing a client sends
-may produce a 500."""
+"""Every domain error's answer in one place: its HTTP status (REST, the contract's error body) and
+its close code (sockets). docs/design/http.md, "Errors in one place"."""
 from __future__ import annotations
 
 import math

@@ -1,9 +1,5 @@
-"""Django's HTTP side under Daphne in one thread hop per request (Django's own ASGI handler hops
-about 30 times, ~8 ms a request on 2 cores): the whole synchronous handler runs in one
-`sync_to_async` call and the buffered response is sent from the event loop.
-
-A body over MAX_REQUEST_BYTES answers 413 `request_too_large`: from its Content-Length before any
-of it is read, or, sent without one (chunked), as soon as what arrived passes the limit."""
+"""Django's HTTP side under Daphne in one thread hop per request, and the 413 for a body over
+MAX_REQUEST_BYTES before it is read. docs/design/http.md, "One thread hop per request"."""
 from __future__ import annotations
 
 import io

@@ -1,8 +1,5 @@
-"""Password guessing: after LOGIN_FAILURE_LIMIT failed logins for one (username, client address)
-within LOGIN_FAILURE_SECONDS, that pair is refused (429) for as long, the right password included.
-
-The count lives in Django's cache (Redis when REDIS_URL is set, so every API process shares it).
-It guards every password login the project has: Django's /accounts/login/ and the admin's."""
+"""Password guessing: after LOGIN_FAILURE_LIMIT failed logins for one (username, client address),
+that pair is refused (429) for LOGIN_FAILURE_SECONDS. docs/design/http.md, "Password guessing"."""
 from __future__ import annotations
 
 import hashlib

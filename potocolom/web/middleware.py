@@ -1,7 +1,5 @@
-"""The database (or Redis) is down or too slow: every request answers 503 until it is back, and the
-process recovers by itself (Django drops a broken connection at the end of the request and opens a
-new one on the next). A statement or lock wait past DATABASE_TIMEOUT_SECONDS is an OperationalError
-too, so a request never hangs on a held lock."""
+"""The database (or Redis) down or too slow: every request answers 503 until it is back, and the
+process recovers by itself. docs/design/http.md, "The database away"."""
 from __future__ import annotations
 
 import logging

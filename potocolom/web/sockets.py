@@ -1,11 +1,6 @@
-"""ASGI guards for the websocket routes.
-
-A browser-facing socket authenticated by the Django session cookie must come from a page of ours:
-its Origin's host is in ALLOWED_HOSTS, or the origin is in CSRF_TRUSTED_ORIGINS; otherwise the
-handshake is refused (403), since any site's page can open a socket that carries the cookie. A
-socket that brings a token (`?token=` or `Authorization`) is not Origin-checked, but from a foreign
-or missing Origin only its token counts, never the cookie. Worker sockets are never checked
-(they are not wrapped). A socket to a path no route serves is refused the same way, not a 500."""
+"""ASGI guards for the socket routes: a browser-facing socket's Origin is checked before its cookie
+counts, a token is taken from the handshake, a path no route serves is refused (403).
+docs/design/http.md, "Whose socket"."""
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable

@@ -1,7 +1,5 @@
-"""The positions of this process's queued sessions under the shared admission, kept up to date from
-each admission's queue moves (`sessions.moved`, one broadcast: who left the queue, who joined it and
-at which position) without reading the queue. Plain data behind its own lock (never the board's,
-never across the database). The story: docs/design/shared-admission.md ("Positions")."""
+"""The positions of this process's queued sessions under the shared admission, moved by each
+admission's `sessions.moved` without reading the queue. docs/design/shared-admission.md, "Positions"."""
 from __future__ import annotations
 
 import collections

@@ -1,7 +1,5 @@
-"""`manage.py create_account NAME [--password P] [--staff]`: makes or finds an account; prints its API token last.
-
-A password must pass Django's AUTH_PASSWORD_VALIDATORS: a weak one exits non-zero, saying why,
-and nothing is created or changed."""
+"""`manage.py create_account NAME [--password P] [--staff]`: makes or finds an account and prints
+its API token last; a password that fails AUTH_PASSWORD_VALIDATORS changes nothing (exit 1)."""
 from __future__ import annotations
 
 from typing import Any
