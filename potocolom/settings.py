@@ -102,7 +102,7 @@ PREVIEW_STEPS = envint("PREVIEW_STEPS", 4, minimum=0)
 PLACEMENT = envstr("PLACEMENT", "demand")
 if PLACEMENT not in ("demand", "off"):
     raise ImproperlyConfigured(f"PLACEMENT must be demand or off, got {PLACEMENT!r}")
-PLACEMENT_SECONDS = envfloat("PLACEMENT_SECONDS", 10.0)  # the periodic rule (copies, idle unloads)
+PLACEMENT_SECONDS = envfloat("PLACEMENT_SECONDS", 10.0)  # the long-queue and trend rules (copies, idle unloads)
 PLACEMENT_TARGET_WAIT_SECONDS = envfloat("PLACEMENT_TARGET_WAIT_SECONDS", 30.0)
 PLACEMENT_IDLE_SECONDS = envfloat("PLACEMENT_IDLE_SECONDS", 300.0)
 PLACEMENT_MIN_RESIDENCY_SECONDS = envfloat("PLACEMENT_MIN_RESIDENCY_SECONDS", 60.0, minimum=-1.0)
@@ -118,7 +118,7 @@ PLACEMENT_COPY_BUSY_SHARE = envfloat("PLACEMENT_COPY_BUSY_SHARE", 0.4, minimum=-
 PLACEMENT_BURST_WINDOW_SECONDS = envfloat("PLACEMENT_BURST_WINDOW_SECONDS", 10.0)
 PLACEMENT_BURST_BUSY_SHARE = envfloat("PLACEMENT_BURST_BUSY_SHARE", 0.95, minimum=-1e-9, maximum=1.0)
 # ... and unloading spare copies on a rung more than twice as slow as full (group offload) while a
-# full copy elsewhere carries their model's work: a job sent there is late by itself (off: rule 2
+# full copy elsewhere carries their model's work: a job sent there is late by itself (off: the long-queue rule
 # unloads only for another model's memory).
 PLACEMENT_RETIRE_SLOW_COPIES = envbool("PLACEMENT_RETIRE_SLOW_COPIES", False)
 MEMORY_MODE = envstr("MEMORY_MODE", "auto")

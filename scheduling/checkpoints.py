@@ -1,6 +1,6 @@
 """A job's checkpoint, the blob a worker sends in `job_checkpoint` or `job_preempted`: kept in
 default_storage (the job row holds only its storage name and step), read back to resume the job,
-deleted when a newer one replaces it or the job ends. The story: docs/protocol.md, "Pausing"."""
+deleted when a newer one replaces it or the job ends. The story: docs/protocol.md, "Pausing" under "The job"."""
 from __future__ import annotations
 
 import logging

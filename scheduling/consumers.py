@@ -1,6 +1,6 @@
 """The account's job socket /ws/jobs/: translates the job events of scheduling.events (every API
 process's, through the account's group) into `job` and `job_progress` messages for the client.
-The story: docs/protocol.md, "/ws/jobs/"."""
+The story: docs/protocol.md, "Job events"."""
 from __future__ import annotations
 
 import json

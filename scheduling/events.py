@@ -1,6 +1,6 @@
 """Job events for their account's /ws/jobs/ sockets, in every API process: each state change sends
 the job as read just after its commit (with its position and estimated wait), each job_progress is
-relayed as the worker sent it (a preview too, never stored). The story: docs/protocol.md, "/ws/jobs/"."""
+relayed as the worker sent it (a preview too, never stored). The story: docs/protocol.md, "Job events"."""
 from __future__ import annotations
 
 import logging

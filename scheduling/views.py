@@ -1,6 +1,6 @@
 """The jobs page: submit a job and watch the account's jobs live (REST for the list and the
-actions, /ws/jobs/ for the events). Plain JS, no build step; the story is in docs/protocol.md, "For
-the people who use it"."""
+actions, /ws/jobs/ for the events). Plain JS, no build step; the story is in docs/protocol.md, "REST" and
+"Job events"."""
 from __future__ import annotations
 
 from django.contrib.auth.decorators import login_required

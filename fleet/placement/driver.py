@@ -76,7 +76,7 @@ def planner_lock() -> Iterator[None]:
 
 def placement_run(*, now: datetime, periodic: bool = False) -> list[PlacementAction]:
     """Plan once and send the actions (after the commit); the actions. `periodic` adds the
-    planner's rule 2 (copies for long queues; unloads only of idle copies)."""
+    planner's long-queue and trend rules (extra copies, for which only idle copies make room)."""
     if not placement_enabled():
         return []
     with planner_lock():

@@ -1,6 +1,6 @@
-"""The placement planner (pure: no Django, no I/O, no torch, time passed in): from the demand per
-model and what each connected worker has installed, loaded and free, the load and unload actions
-that put models where the demand is. The rules are the protocol's "Placement across machines"."""
+"""The placement planner (pure: no Django, no I/O, no torch, time passed in): from the demand per model
+and what each connected worker has installed, loaded and free, the load and unload actions that put
+models where the demand is. The rules: docs/protocol.md, "Placement across workers"; why: docs/design/placement.md."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
@@ -15,7 +15,7 @@ class PlacementSettings:
     """The API's placement settings, in seconds (the protocol's defaults)."""
 
     target_wait_seconds: float = 30.0  # PLACEMENT_TARGET_WAIT_SECONDS: queued work per copy worth another copy
-    idle_seconds: float = 300.0  # PLACEMENT_IDLE_SECONDS: a copy unused this long may give way (periodic rule)
+    idle_seconds: float = 300.0  # PLACEMENT_IDLE_SECONDS: unused this long, a copy may make room for an extra copy
     min_residency_seconds: float = 60.0  # PLACEMENT_MIN_RESIDENCY_SECONDS: an API-loaded model stays this long
     failed_load_backoff_seconds: float = 60.0  # a worker whose load failed is not asked again for this long
     default_step_ms: float = 100.0  # a model's step time until a worker has measured it (step_ms None)
@@ -33,7 +33,7 @@ class PlacementSettings:
     # gets another copy, before a queue forms; 0 turns it off. The share is copy_busy_share for a
     # model of the fleet's mean size and scales with the model's size (_Plan._copy_share): a copy of
     # a model a third of the mean size takes a third of the memory, so it is worth adding sooner.
-    copy_max_step_factor: float = 2.0  # the periodic rule adds no copy on a rung slower than this (group offload)
+    copy_max_step_factor: float = 2.0  # no copy for throughput on a rung slower than this (group offload)
     # 0: the target wait is PLACEMENT_TARGET_WAIT_SECONDS alone; N > 0: at most N of the model's
     # queued jobs' own run on full (an operator's choice for an SLO counted in a job's own time).
     target_wait_jobs: float = 0.0
@@ -139,53 +139,19 @@ class _Worker:
 
 def plan_placement(demand: Iterable[ModelDemand], workers: Iterable[WorkerState], *, now: float,
                    periodic: bool = False, settings: PlacementSettings | None = None) -> list[PlacementAction]:
-    """The load and unload actions for this moment, in the order to send them (a load's unloads
-    come first, on the same worker: send the load once they are answered, or in order to a worker
-    that handles its messages in order). No action for a model means its work waits.
-
-    Every run (an event: a job or session queued, a load answered, a job or session ended):
-    rule 1, a model with waiting work and no copy on a worker that takes work (for waiting sessions:
-    no copy on rung full) is loaded at once on a worker that has it installed, after unloading that
-    worker's least recently used models that hold no job or session if its memory is short.
-    Every run also the burst rule (unless burst_busy_share is 0): a model whose arrivals of the
-    last burst_window_seconds would keep every copy's worker busier than burst_busy_share, and none
-    of whose copies is still loading, gets one more copy under rule 2's memory rules (idle copies
-    give way, and so may a spare copy: one its model can do without, however recently used; no copy
-    on a rung slower than copy_max_step_factor).
-    With `periodic=True` (every PLACEMENT_SECONDS) also rule 2: a model whose queued work (queued
-    steps x step_ms, over the throughput of its copies) exceeds the target wait gets copies on
-    other workers until it does not, unloading for them only copies idle for `idle_seconds`; and
-    a model with sessions still waiting while it has full copies and no load pending gets one more.
-
-    Rule 2 counts a copy's throughput by its rung (rung_step_factor, rung_job_seconds) and by the
-    share of its worker that other models' recent arrivals leave; the target wait may be counted in
-    the model's own job runs (target_wait_jobs); with ModelDemand.recent_steps it also adds a copy
-    when a job would find every copy's worker busy more than the model's share of the time (the
-    trend; _copy_share: copy_busy_share scaled by the model's size), never on a rung slower than
-    copy_max_step_factor. Rule 2, the trend and the burst rule unload the copies of the models
-    with the most ready copies first, then the least recently used; rule 1 the least recently
-    used. A session waiting while every full copy's slots are taken gets a full copy at once (on
-    an event too). A load prefers, in order: a rung no slower than copy_max_step_factor, unloads
-    that leave every model a ready copy, the highest rung.
-    With retire_slow_copies (off: beyond the contract) spare copies on slow rungs are unloaded.
-
-    Never: past a worker's free memory (pending and planned loads and unloads counted), unloading a
-    busy model or an API-loaded one within its minimum residency, asking a worker whose load of that
-    model failed within the back-off, asking a draining worker, or two actions for one model on
-    one worker. A model's last copy is not unloaded to make room while work waits for it (that
-    would only move the wait). Workers are chosen by the highest rung they can give, then the
-    fewest models running a job or session (a copy behind another model's work adds little), then
-    the fewest unloads, then the most memory left, then worker_id.
-    """
+    """The load and unload actions for this moment, in the order to send them (a load's unloads come
+    first, on the same worker). Every run applies the missing-copy and burst rules; `periodic` (every
+    PLACEMENT_SECONDS) adds the long-queue and trend rules, and retire_slow_copies when set. No action
+    for a model means its work waits. The rules, their order and why: docs/design/placement.md."""
     settings = settings or PlacementSettings()
     models = {d.model_id: d for d in demand if d.queued_jobs > 0 or d.queued_steps > 0 or d.waiting_sessions > 0
               or d.recent_steps > 0 or d.burst_steps > 0}
     plan = _Plan([_view(w) for w in sorted(workers, key=lambda w: w.worker_id)], models, now, settings)
-    plan.rule_1()
+    plan.missing_copy_rule()
     if settings.burst_busy_share > 0:
         plan.burst_rule()
     if periodic:
-        plan.rule_2()
+        plan.long_queue_rule()
         if settings.retire_slow_copies:
             plan.retire_slow_copies()
     return plan.actions
@@ -238,10 +204,11 @@ class _Plan:
         self.sizes = {m.model_id: max(m.needs_mib.values(), default=0) for w in workers for m in w.installed.values()}
         self.mean_size = sum(self.sizes.values()) / len(self.sizes) if self.sizes else 0.0
 
-    # rule 1 ---------------------------------------------------------------------------------
+    # the missing-copy rule (every run) -------------------------------------------------------
 
-    def rule_1(self) -> None:
-        """Load at once each waiting model that has no copy (sessions first, then the most steps)."""
+    def missing_copy_rule(self) -> None:
+        """Load at once each waiting model that has no copy (for sessions: no full copy, or every full
+        copy's slots taken); sessions first, then the most steps. Unloads least recently used first."""
         order = sorted(self.wanted.values(), key=lambda d: (-d.waiting_sessions, -d.queued_steps, d.model_id))
         for d in order:
             if d.waiting_sessions > 0 and not self._copies(d.model_id, full_only=True):
@@ -253,13 +220,14 @@ class _Plan:
                 self._place(d.model_id, why, full_only=False, idle_only=False)
             self._more_full_for_sessions(d, idle_only=False)
 
-    # rule 2 ---------------------------------------------------------------------------------
+    # extra copies: the long-queue, trend and burst rules -------------------------------------
 
-    def rule_2(self) -> None:
-        """Add copies where queued work per copy exceeds the target wait, or where the recent
-        arrivals would keep the copies busier than the model's `_copy_share` (the trend: a copy in place
-        before the queue forms); one more full copy for sessions still waiting when every full
-        copy is in place (its slots taken)."""
+    def long_queue_rule(self) -> None:
+        """The long-queue rule, and the trend rule with it (periodic): add copies where queued work
+        per copy exceeds the target wait, or where the recent arrivals would keep the copies busier
+        than the model's `_copy_share` (the trend: a copy in place before the queue forms); one more
+        full copy for sessions still waiting when every full copy is in place (its slots taken).
+        Only idle copies make room."""
         by_wait = sorted(self.models.values(), key=lambda d: (-self._wait_seconds(d), d.model_id))
         placed = True
         while placed:  # again until none is short: a copy placed loads its worker, which another model counted
@@ -291,8 +259,8 @@ class _Plan:
     def retire_slow_copies(self) -> None:
         """Unload idle copies on a rung slower than `copy_max_step_factor` that their model can do
         without (a faster copy carries its work): the dispatcher sends a job to any free copy, and
-        one there runs late for sure. Beyond the contract's rule 2 (which unloads only for another
-        model's memory), hence off unless `retire_slow_copies`."""
+        one there runs late for sure. Beyond the contract's long-queue rule (which unloads only for
+        another model's memory), hence off unless `retire_slow_copies`."""
         for w in self.workers:
             for m in sorted(w.loaded.values(), key=lambda m: (m.last_used, m.model_id)):
                 installed = w.installed.get(m.model_id)
@@ -328,7 +296,7 @@ class _Plan:
         size of the fleet's installed models (at most 1.0). Memory is what a copy costs: at 24 GiB
         workers a copy of an SD-1.5-sized model takes a quarter of an SD3-sized one's, so it is
         worth adding at a lower chance of finding every copy busy, and a large model's copy only at
-        a higher one (docs/design/placement.md, "Copies priced by their memory")."""
+        a higher one (docs/design/placement.md, "What a copy is worth")."""
         share = self.settings.copy_busy_share
         if share <= 0 or not self.mean_size or model_id not in self.sizes:
             return share
@@ -494,16 +462,16 @@ class _Plan:
 
     def _evictable(self, w: _Worker, idle_only: bool, burst: bool = False) -> list[LoadedModel]:
         """`w`'s models that may give way: not busy, not API-loaded within the minimum residency, not
-        the last copy of a model work waits for, and for the periodic rule idle for `idle_seconds`
-        with no work waiting for it. For the burst rule also a spare copy however recently used
+        the last copy of a model work waits for, and for an extra copy (idle_only) idle for
+        `idle_seconds` with no work waiting for it. For the burst rule also a spare copy however recently used
         (_surplus): a burst cannot wait for a copy to idle; a copy more for a trend or a queue can,
-        and taking spare copies for those too cost a fifth to a quarter more loads for about the
-        same attainment (docs/design/placement.md).
+        and taking spare copies for those too made 27-41 % more loads for about the same
+        attainment (docs/design/placement.md).
 
-        Rule 1 takes them least recently used first (the contract's words). Rule 2 and the burst rule
-        take first the copies of the models with the most ready copies, then the least recently
-        used: a model left with one copy is the one whose next arrivals want a copy back, so taking
-        its second copy tends to cost a load again minutes later."""
+        The missing-copy rule takes them least recently used first (the contract's words). The
+        long-queue, trend and burst rules take first the copies of the models with the most ready
+        copies, then the least recently used: a model left with one copy is the one whose next
+        arrivals want a copy back, so taking its second copy tends to cost a load again minutes later."""
         out = []
         for m in w.loaded.values():
             if m.busy or m.model_id in w.untouchable:

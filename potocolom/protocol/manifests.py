@@ -13,7 +13,7 @@ from jsonschema.validators import validator_for
 
 TIERS = ("draft", "standard", "premium")
 CAPABILITIES = ("txt2img", "img2img")
-# The diffusers pipelines a manifest may name, one per model family (PROTOCOL.md "Model families"):
+# The diffusers pipelines a manifest may name, one per model family (docs/protocol.md, "Model families"):
 # SD 1.x/2.x, SDXL (also Turbo), SD3 and Flux; img2img comes from the same weights.
 PIPELINES = ("StableDiffusionPipeline", "StableDiffusionXLPipeline", "StableDiffusion3Pipeline", "FluxPipeline")
 REQUIRED_FIELDS = ("model_id", "tier", "cost", "capabilities", "pipeline", "source", "params_schema")

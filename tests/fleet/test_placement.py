@@ -1,4 +1,4 @@
-"""Placement on the worker socket (docs/protocol.md, "Placement across machines"): a job or session
+"""Placement on the worker socket (docs/protocol.md, "Placement across workers"): a job or session
 waiting for a model no connected worker has loaded gets it loaded where it is installed (idle models
 unloaded first when memory is short), the job goes there once the worker answers model_loaded, a
 busy model is never unloaded, a model being unloaded takes no new work, a failed load backs off, and

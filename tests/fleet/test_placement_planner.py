@@ -140,7 +140,7 @@ EVENT_CASES = [
 
 
 @pytest.mark.parametrize("demand, workers, expected", EVENT_CASES)
-def test_it_plans_on_an_event_by_rule_1(demand, workers, expected):
+def test_it_plans_on_an_event_by_the_missing_copy_rule(demand, workers, expected):
     assert brief(plan_placement(demand, workers, now=NOW)) == expected
 
 
@@ -205,12 +205,12 @@ PERIODIC_CASES = [
                                        worker("w2", 3_000, loading=[PendingLoad("sd", "full")])], [],
                  id="it-waits-for-a-pending-full-copy-before-adding-another-for-sessions"),
     pytest.param([jobs("sd")], [worker("w1", 3_000)], [("load", "w1", "sd", "full")],
-                 id="it-applies-rule-1-on-a-periodic-run-too"),
+                 id="it-applies-the-missing-copy-rule-on-a-periodic-run-too"),
 ]
 
 
 @pytest.mark.parametrize("demand, workers, expected", PERIODIC_CASES)
-def test_it_plans_periodically_by_rules_1_and_2(demand, workers, expected):
+def test_it_plans_periodically_by_the_long_queue_and_trend_rules_too(demand, workers, expected):
     assert brief(plan_placement(demand, workers, now=NOW, periodic=True)) == expected
 
 
@@ -239,12 +239,12 @@ def idle_pair(**kw) -> list[WorkerState]:
             worker("w3", 0, held("sd", busy=True))] + [worker("w1", 0, held("xl", mib=9_800))] * kw.get("xl", 1)
 
 
-def test_it_takes_a_copy_of_the_model_with_most_copies_first_for_rule_2():
+def test_it_takes_a_copy_of_the_model_with_most_copies_first_for_the_long_queue_rule():
     assert brief(plan_placement([jobs("xl", n=50)], idle_pair(), now=NOW, periodic=True)) == [
         ("unload", "w2", "sd", None), ("load", "w2", "xl", "model_offload")]
 
 
-def test_it_takes_the_least_recently_used_model_first_for_rule_1():
+def test_it_takes_the_least_recently_used_model_first_for_the_missing_copy_rule():
     assert brief(plan_placement([jobs("xl")], idle_pair(xl=0), now=NOW)) == [
         ("unload", "w2", "anime", None), ("load", "w2", "xl", "model_offload")]
 
@@ -269,7 +269,7 @@ def test_it_retires_a_spare_copy_on_a_slow_rung_only_when_told():
 
     assert plan_placement([], fleet, now=NOW, periodic=True) == []
     assert brief(plan_placement([], fleet, now=NOW, periodic=True, settings=RETIRE)) == [("unload", "w2", "xl", None)]
-    assert plan_placement([], fleet, now=NOW, settings=RETIRE) == []  # the periodic rule only
+    assert plan_placement([], fleet, now=NOW, settings=RETIRE) == []  # on a periodic run only
 
 
 @pytest.mark.parametrize("fleet", [
@@ -311,7 +311,7 @@ BURST_CASES = [
     pytest.param([burst("xl", 132)], [worker("w1", 0, held("xl", mib=9_800)), worker("w2", 4_000)], [],
                  id="it-adds-no-copy-on-a-rung-slower-than-copy-max-step-factor"),
     pytest.param([burst("xl", 132)], [worker("w1", 0), worker("w2", 20_000)], [],
-                 id="it-leaves-a-model-with-no-copy-and-no-queue-to-rule-1"),
+                 id="it-leaves-a-model-with-no-copy-and-no-queue-to-the-missing-copy-rule"),
     pytest.param([burst("xl", 132)], [worker("w1", 0, held("xl", mib=9_800)),
                                       worker("w2", 7_500, held("sd", last_used=NOW - 5)),
                                       worker("w3", 0, held("sd", busy=True))],

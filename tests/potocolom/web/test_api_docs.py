@@ -1,5 +1,5 @@
 """The API documentation for people: /api/v1/docs/ (Swagger UI) loads every file from this host, and the
-OpenAPI schema it shows generates with no warning ("For the people who use it" in docs/protocol.md)."""
+OpenAPI schema it shows generates with no warning ("REST" in docs/protocol.md)."""
 from __future__ import annotations
 
 import json
