@@ -11,7 +11,7 @@
   miss and LRU eviction, plus its copy scaling (class ModelMesh: a second copy for a model in
   regular use, more copies past 90 % busy, scale-down of copies past the second after 10 quiet
   minutes; the constants are kserve/modelmesh's own). One copy a model is not what ModelMesh
-  does, and where every model starts loaded somewhere it hardly ever loads (41 loads in four
+  does, and where every model starts loaded somewhere it hardly ever loads (22 loads in four
   4-hour traces at 16 GiB, none at 24 GiB).
 
 Every policy starts from the static placement. The traces (--seeds of them, pooled): models whose
@@ -27,7 +27,7 @@ The planner is replayed three times: at the defaults (PLACEMENT_TARGET_WAIT_SECO
 rule on); "tuned", as an operator would set it for this SLO (PLACEMENT_TARGET_WAIT_JOBS 2: a copy
 more once queued work per copy passes two of its jobs' own runs, the wait a 3x budget leaves); and
 "tuned+ret", also retiring spare copies on slow rungs (retire_slow_copies, beyond the contract's
-rule 2: for information). The API is modelled as feeding the planner each model's arrivals
+long-queue rule: for information). The API is modelled as feeding the planner each model's arrivals
 (ModelDemand.recent_steps over demand_window_seconds, burst_steps over burst_window_seconds) on
 every arrival and every PLACEMENT_SECONDS, and as dispatching jobs the way it does
 (scheduling.policy.plan_dispatch: to the worker holding the fewest, up to JOB_DISPATCH_DEPTH, 2,
@@ -421,7 +421,8 @@ class Fleet:
         capacities = [WorkerCapacity(w.worker_id, frozenset(m for m in w.copies if w.ready(m)), w.holds(), i,
                                      w.rungs())
                       for i, w in enumerate(self.workers)]
-        for a in plan_dispatch(queues, capacities, depth=self.depth):
+        # No reservation (no priorities here), and the moves are the bench's own (move_waiting_jobs).
+        for a in plan_dispatch(queues, capacities, depth=self.depth, reservations={}, moves=[]).assignments:
             w, job = by_id[a.worker_id], queues.popped.pop(a.job.job_id)
             if w.job is None:
                 self.start(w, job)
@@ -784,7 +785,7 @@ def main() -> None:
               f"passes {tuned.target_wait_jobs:g} of its jobs' own runs on full (the 3x SLO leaves 2 runs of wait)")
     if "tuned+ret" in replays:
         print("tuned+ret: tuned, and spare copies on a rung slower than 2x full unloaded at once "
-              "(retire_slow_copies: beyond the contract's rule 2, for information)")
+              "(retire_slow_copies: beyond the contract's long-queue rule, for information)")
     print("lru: load on a miss, one copy a model; modelmesh: the same with ModelMesh's copy scaling "
           "(second copies for regular use, more past 90 % busy, scale-down after 10 min): the issue's baseline")
     for vram in (int(v) for v in args.vram_mib.split(",")):

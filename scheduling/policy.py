@@ -1,17 +1,11 @@
-"""The job path's decisions, pure (no Django, no I/O): queue order, which worker gets which job,
-and what happens to a job whose worker died.
-
-Order is fair share (docs/protocol.md, "Fair share"). Each model's queue holds one line per account,
-ordered by the account's own `priority` (higher first), then submission (`submitted_us`, then
-`job_id`). Accounts take turns: the next job is the head of the line of the account whose turn key
-is smallest, the key being the time of its last dispatch from that queue, or, with none yet, the
-submission of its oldest queued job (ties: the account id). A dispatch moves the account's key to
-the dispatch time, behind every account in the queue, so the turns go round. A job sent back keeps
-its key, so it regains its place in its account's line; the account's key does not move."""
+"""The job path's decisions, pure (no Django, no I/O, time passed in): queue order by fair share,
+which worker gets which job (reservations and moves first), preemptions, moves and retries.
+docs/protocol.md, "Fair share" under "The job"."""
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Protocol, TypeVar
 
 from potocolom.protocol.rungs import RUNG_GROUP_OFFLOAD, RUNGS
@@ -102,9 +96,14 @@ def best_candidate(candidates: Iterable[Candidate]) -> Candidate | None:
 
 
 class Heads(Protocol):
-    """What the dispatch decision reads of the queues (any JobQueues)."""
+    """What the dispatch decision reads of the queues (any JobQueues): the next job for some models,
+    and (to serve a reservation or a move) one job by its id, put back when it cannot go there."""
 
     def pop_for(self, model_ids: Iterable[str], *, at_us: int | None = None) -> QueuedJob | None: ...
+
+    def remove(self, job_id: str) -> QueuedJob | None: ...
+
+    def push(self, job: QueuedJob) -> bool: ...
 
 
 # A copy on this rung or a slower one runs a job at several times full's step (group offload: 3.7x,
@@ -122,7 +121,9 @@ def rung_rank(rungs: Mapping[str, str], model_id: str) -> int:
 
 @dataclass(frozen=True)
 class WorkerCapacity:
-    """What the dispatch decision needs to know of one connected worker."""
+    """What the dispatch decision needs to know of one connected worker: `held`, the jobs counted
+    against its depth; `job_ids`, those it holds (a move waits while its job is on the worker it
+    leaves); `draining`, it takes no new job."""
 
     worker_id: str
     models: frozenset[str]
@@ -130,6 +131,8 @@ class WorkerCapacity:
     joined: int  # connection order, for a stable tie-break
     # model_id -> the memory rung it runs on there, where known (a tie goes to the faster copy)
     rungs: Mapping[str, str] = field(default_factory=dict, hash=False)
+    draining: bool = False
+    job_ids: frozenset[str] = frozenset()
 
     def rank(self, model_id: str) -> int:
         return rung_rank(self.rungs, model_id)
@@ -141,8 +144,93 @@ class Assignment:
     worker_id: str
 
 
-def plan_dispatch(queues: Heads, workers: Sequence[WorkerCapacity], *, depth: int,
-                  at_us: int | None = None) -> list[Assignment]:
+@dataclass(frozen=True)
+class DispatchPlan:
+    """One step of a dispatch: the assignments to claim, in order; the reservations and moves still
+    open after it; and `in_turn`: whether its jobs were taken in the queue's order (each dispatch a
+    turn of its account, from `at_us` on), not served to a reservation or a move (no turn taken)."""
+
+    assignments: list[Assignment]
+    reservations: dict[str, str]
+    moves: list[Move]
+    in_turn: bool
+
+
+def plan_dispatch(queues: Heads, workers: Sequence[WorkerCapacity], *, depth: int, reservations: Mapping[str, str],
+                  moves: Sequence[Move], at_us: int | None = None) -> DispatchPlan:
+    """The next step of a dispatch. Its assignments are claimed before the next call (a claim that
+    fails frees its worker's place for the next step); the dispatch ends at a step with none.
+
+    A step serves the first reservation (a waiting job -> the worker asked to give back a job of
+    its account for it, plan_preemptions) whose worker has room; else the first move (plan_moves)
+    whose job its worker gave back, to the idle worker; else jobs in the queue's order
+    (_plan_from_queue), each worker counting the jobs moving to it as held. A reserved or moved job
+    goes ahead of the queue's order, one a step, so that each decision sees the claims before it.
+    A reservation or a move ends when served, when its job is no longer queued, or when its worker
+    left, drains or does not serve the job's model (the queue places the job then)."""
+    by_id = {w.worker_id: w for w in workers}
+    served, reservations_left = _serve_reservation(queues, by_id, reservations, depth=depth)
+    if served is not None:
+        return DispatchPlan([served], reservations_left, list(moves), in_turn=False)
+    served, moves_left = _serve_move(queues, by_id, moves, depth=depth)
+    if served is not None:
+        return DispatchPlan([served], reservations_left, moves_left, in_turn=False)
+    incoming = Counter(move.to_worker_id for move in moves_left)
+    takers = [replace(w, held=w.held + incoming[w.worker_id]) if incoming[w.worker_id] else w
+              for w in workers if not w.draining]
+    return DispatchPlan(_plan_from_queue(queues, takers, depth=depth, at_us=at_us), reservations_left, moves_left,
+                        in_turn=True)
+
+
+def _serve_reservation(queues: Heads, by_id: Mapping[str, WorkerCapacity], reservations: Mapping[str, str], *,
+                       depth: int) -> tuple[Assignment | None, dict[str, str]]:
+    """The first reservation whose worker has room, served (its account's turn stays where it was:
+    the account swapped one of its own jobs for another), and the reservations still open."""
+    left = dict(reservations)
+    for job_id, worker_id in reservations.items():
+        worker = by_id.get(worker_id)
+        if worker is not None and not worker.draining and worker.held >= depth:
+            continue  # not given back yet
+        del left[job_id]
+        if worker is not None and not worker.draining:
+            served = _take(queues, job_id, worker)
+            if served is not None:
+                return served, left
+    return None, left
+
+
+def _serve_move(queues: Heads, by_id: Mapping[str, WorkerCapacity], moves: Sequence[Move], *,
+                depth: int) -> tuple[Assignment | None, list[Move]]:
+    """The first move whose job its worker gave back, served to the idle worker if that one has room,
+    and the moves still open (those whose job is still on the worker it leaves)."""
+    kept: list[Move] = []
+    for n, move in enumerate(moves):
+        source = by_id.get(move.worker_id)
+        if source is not None and move.job_id in source.job_ids:
+            kept.append(move)  # not given back yet
+            continue
+        worker = by_id.get(move.to_worker_id)
+        if worker is not None and not worker.draining and worker.held < depth:
+            served = _take(queues, move.job_id, worker)
+            if served is not None:
+                return served, kept + list(moves[n + 1:])
+    return None, kept
+
+
+def _take(queues: Heads, job_id: str, worker: WorkerCapacity) -> Assignment | None:
+    """The queued job for `worker` out of its queue, or None when it is gone (dispatched elsewhere,
+    cancelled or paused meanwhile) or back in it (the worker no longer serves its model)."""
+    job = queues.remove(job_id)
+    if job is None:
+        return None
+    if job.model_id not in worker.models:
+        queues.push(job)
+        return None
+    return Assignment(job, worker.worker_id)
+
+
+def _plan_from_queue(queues: Heads, workers: Sequence[WorkerCapacity], *, depth: int,
+                     at_us: int | None) -> list[Assignment]:
     """Take jobs off the queues for workers with room, and say which worker gets each.
 
     A worker never holds more than `depth` unfinished jobs. Each job goes to the least-loaded
@@ -217,7 +305,7 @@ class Preemption(NamedTuple):
 
 
 def plan_preemptions(waiting: Iterable[QueuedJob], workers: Sequence[Holding], *, depth: int) -> list[Preemption]:
-    """The API's priority preemption (docs/protocol.md, "Step-boundary scheduling"). A waiting job
+    """The API's priority preemption (docs/protocol.md, "Priority preemption" under "The job"). A waiting job
     that can go nowhere, because every worker serving its model holds `depth` jobs, takes the place
     of a held job of its own account with a lower priority: the lowest priority first, one not yet
     started before one running, then the one furthest back in the account's line, then the worker
@@ -252,7 +340,7 @@ class Move(NamedTuple):
 
 
 def plan_moves(workers: Sequence[Holding]) -> list[Move]:
-    """The API's rebalance (docs/protocol.md, "Moving a waiting job"): a worker that holds no job
+    """The API's rebalance (docs/protocol.md, "Moving a waiting job" under "The job"): a worker that holds no job
     takes back, for itself, a job that waits on another worker behind that worker's own work: held
     there, not started, while that worker holds another job (one it runs, or, when none has started
     yet, the one it got first, which it runs next). A job dispatched ahead of time (the dispatch

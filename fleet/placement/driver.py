@@ -1,8 +1,6 @@
-"""Placement's driver (docs/protocol.md, "Placement across workers"): reads the demand and the
-connected workers from the database, runs the pure planner (fleet.placement.planner), and has each action
-recorded and sent to the worker's socket on whichever API process holds it (workers.services). One
-planner acts at a time across processes (an advisory transaction lock on PostgreSQL, a lock of this
-process on other databases, which serve one process)."""
+"""Placement's driver: reads the demand and the connected workers, runs the pure planner, and has
+each action recorded and sent; one planner at a time across processes (an advisory lock on
+PostgreSQL). docs/design/placement.md."""
 from __future__ import annotations
 
 import contextlib

@@ -1,7 +1,6 @@
-"""Handing queued jobs to workers: the claim (compare-and-set), the `job` order each worker's protocol
-reads, the wake-ups of the other API processes, the priority preemption that makes room, and the
-moves of waiting jobs to idle workers. The story: docs/protocol.md, "Fair share", "Priority
-preemption" and "Moving a waiting job"."""
+"""Handing queued jobs to workers: the claim (compare-and-set), the `job` order in each worker's
+protocol, the other processes' wake-ups, the priority preemption and the moves to idle workers.
+docs/protocol.md, "The job" (fair share, priority preemption, moving a waiting job)."""
 from __future__ import annotations
 
 import base64
@@ -117,7 +116,7 @@ def jobs_dispatch(*, now: datetime) -> list[Assignment]:
         claimed_ids.append(job.job_id)
         # from its submission (a job dispatched again after a preemption counts from it too)
         metrics.job_dispatched(wait_seconds=(to_microseconds(now) - job.submitted_us) / 1e6)
-        worker = current.workers.get(assignment.worker_id)  # plan() holds the dispatcher's lock
+        worker = current.connection(assignment.worker_id)  # plan() holds the dispatcher's lock
         if worker is not None:
             orders.append((worker.channel_name, worker.protocol, job, claimed))
         return True

@@ -1,6 +1,6 @@
 """Small moves on a job's row that several services share: the microsecond clock the queue keys on,
 a row as the queue's QueuedJob, a held job sent back off its worker (to queued, or paused), an ended
-job's checkpoint dropped. The job path's story: docs/protocol.md, "The job" and "Pausing"."""
+job's checkpoint dropped. The job path's story: docs/protocol.md, "The job" (with "Pausing")."""
 from __future__ import annotations
 
 import uuid
@@ -17,7 +17,7 @@ from scheduling.signals import webhook_due
 
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 # What a job leaves behind when it goes back off its worker (sent back, preempted, paused).
-_OFF_WORKER: dict[str, Any] = {"worker_id": None, "dispatched_at": None, "started_at": None}
+OFF_WORKER: dict[str, Any] = {"worker_id": None, "dispatched_at": None, "started_at": None}
 
 
 def to_microseconds(moment: datetime) -> int:
@@ -29,19 +29,19 @@ def queued_job(job: Job) -> QueuedJob:
                      account=str(job.account_id))
 
 
-def _send_back(held: QuerySet[Job], **fields: Any) -> JobState | None:
+def send_back(held: QuerySet[Job], **fields: Any) -> JobState | None:
     """Move a held job off its worker: to `queued`, or to `paused` when a pause was asked. Two
     compare-and-sets, so that a pause asked meanwhile is never lost; the state it went to, or None
     when `held` no longer finds it."""
-    if held.filter(pause_requested=False).update(state=JobState.QUEUED, **_OFF_WORKER, **fields):
+    if held.filter(pause_requested=False).update(state=JobState.QUEUED, **OFF_WORKER, **fields):
         return JobState.QUEUED
-    if held.filter(pause_requested=True).update(state=JobState.PAUSED, pause_requested=False, **_OFF_WORKER,
+    if held.filter(pause_requested=True).update(state=JobState.PAUSED, pause_requested=False, **OFF_WORKER,
                                                  **fields):
         return JobState.PAUSED
     return None
 
 
-def _drop_checkpoint(job: Job) -> None:
+def drop_checkpoint(job: Job) -> None:
     """An ended job keeps no checkpoint: its row forgets it, its blob is deleted."""
     if job.checkpoint:
         Job.objects.filter(id=job.id, checkpoint=job.checkpoint).update(checkpoint="", checkpoint_step=None)
@@ -49,7 +49,7 @@ def _drop_checkpoint(job: Job) -> None:
         job.checkpoint, job.checkpoint_step = "", None
 
 
-def _webhook_outbox(job_id: uuid.UUID | str, *, now: datetime) -> None:
+def webhook_outbox(job_id: uuid.UUID | str, *, now: datetime) -> None:
     """Inside the transaction that ends a job: its webhook's delivery row (the outbox), when it was
     submitted with one, so that the end and its delivery commit together; the delivery runner wakes
     after the commit."""

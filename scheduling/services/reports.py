@@ -24,8 +24,8 @@ from scheduling.eta import first_etas
 from scheduling.events import job_progressed, jobs_changed
 from scheduling.models import HELD_STATES, Job, JobState
 from scheduling.services.dispatch import jobs_dispatch, jobs_dispatch_or_wake
-from scheduling.services.job_rows import _send_back, _webhook_outbox, queued_job, to_microseconds
-from scheduling.services.requests import _preempt
+from scheduling.services.job_rows import queued_job, send_back, to_microseconds, webhook_outbox
+from scheduling.services.requests import job_pause_held
 
 log = logging.getLogger(__name__)
 MAX_IMAGE_BYTES = 12 * 1024 * 1024
@@ -70,8 +70,7 @@ def _now_running(job_id: str, *, now: datetime) -> None:
 def _account_of(job_id: str, worker_id: str) -> str | None:
     """The account of a job this process's worker holds: the dispatcher's key of it when it has
     one (no database read per step), else the row's."""
-    worker = dispatcher().workers.get(worker_id)
-    key = worker.keys.get(job_id) if worker is not None else None
+    key = dispatcher().key_of(job_id, worker_id=worker_id)
     if key is not None:
         return key.account
     account = Job.objects.filter(id=job_id).values_list("account_id", flat=True).first()
@@ -161,7 +160,7 @@ def _end_held(job_id: str, worker_id: str, *, now: datetime, **fields: Any) -> b
     with transaction.atomic():
         if not held.filter(checkpoint=name).update(checkpoint="", checkpoint_step=None, **fields):
             return False
-        _webhook_outbox(job_id, now=now)
+        webhook_outbox(job_id, now=now)
     if name:
         checkpoint_discard(name)
     return True
@@ -208,7 +207,7 @@ def job_preempted(*, worker_id: str, job_id: str, step: int, steps: int, checkpo
     if stored:
         fields |= {"checkpoint": stored, "checkpoint_step": step}
     try:
-        back = _send_back(held, **fields)
+        back = send_back(held, **fields)
     except Exception:
         checkpoint_discard(stored, keep=job.checkpoint)
         raise
@@ -219,7 +218,7 @@ def job_preempted(*, worker_id: str, job_id: str, step: int, steps: int, checkpo
     checkpoint_discard(job.checkpoint if stored else "", keep=stored)
     log.info("job %s preempted on %s at step %d of %d: now %s", job_id, worker_id, step, steps, back.value)
     current = dispatcher()
-    holder = current.workers.get(worker_id)
+    holder = current.connection(worker_id)
     metrics.job_preempted(reason="pause" if back == JobState.PAUSED
                           else "drain" if holder is not None and holder.draining
                           else "move" if current.is_moving(job_id) else "priority")
@@ -268,7 +267,7 @@ def job_preempt_held(*, worker_id: str, job_id: str, now: datetime) -> None:
         log.warning("a worker.preempt event names no job: %r", job_id)
         return
     if Job.objects.filter(id=job_id, worker_id=worker_id, state__in=HELD_STATES, pause_requested=True).exists():
-        _preempt(dispatcher(), job_id, worker_id, now=now, relayed=True)
+        job_pause_held(job_id=job_id, worker_id=worker_id, now=now, relayed=True)
 
 
 def job_left_worker(*, worker_id: str, job_id: str, now: datetime) -> None:

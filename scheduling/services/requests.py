@@ -1,6 +1,6 @@
 """What accounts and operators ask of a job (REST and admin): submit, cancel, requeue, pause and
 resume; and telling the worker that holds a job to cancel it, or to preempt it for a pause. The
-story: docs/protocol.md, "The job" and "Pausing"."""
+story: docs/protocol.md, "The job" (with "Pausing")."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,7 +24,7 @@ from scheduling.eta import first_etas
 from scheduling.events import job_changed_as, jobs_changed
 from scheduling.models import ENDED_STATES, HELD_STATES, UNFINISHED_STATES, Job, JobState
 from scheduling.services.dispatch import WORKERS_GROUP, jobs_dispatch, jobs_dispatch_or_wake
-from scheduling.services.job_rows import _OFF_WORKER, _drop_checkpoint, _webhook_outbox, queued_job, to_microseconds
+from scheduling.services.job_rows import OFF_WORKER, drop_checkpoint, queued_job, to_microseconds, webhook_outbox
 
 
 @dataclass(frozen=True)
@@ -99,13 +99,13 @@ def job_cancel(*, job: Job, now: datetime) -> Job:
         cancelled = Job.objects.filter(id=job.id, state__in=UNFINISHED_STATES).update(
             state=JobState.CANCELLED, finished_at=now, pause_requested=False)
         if cancelled:
-            _webhook_outbox(job.id, now=now)
+            webhook_outbox(job.id, now=now)
     job.refresh_from_db()
     if not cancelled:
         raise JobAlreadyEnded(f"job {job.id} already ended: {job.state}")
     job_changed_as(job, now=now)
     first_etas().forget(str(job.id))
-    _drop_checkpoint(job)
+    drop_checkpoint(job)
     current = dispatcher()
     current.remove(str(job.id))
     holder = current.release(str(job.id), until_let_go=True)
@@ -135,7 +135,7 @@ def job_requeue(*, job: Job, now: datetime) -> Job:
 
 def job_pause(*, job: Job, now: datetime) -> Job:
     """Pause a job that has not ended. A queued one is paused at once: it leaves the queue (its key,
-    and its account's turn, stay in the row for its resume). A held one is preempted (_preempt) and
+    and its account's turn, stay in the row for its resume). A held one is preempted (job_pause_held) and
     becomes paused when its worker answers. A paused one stays so. JobAlreadyEnded for an ended one."""
     if Job.objects.filter(id=job.id, state=JobState.QUEUED).update(state=JobState.PAUSED):
         dispatcher().remove(str(job.id))
@@ -143,7 +143,7 @@ def job_pause(*, job: Job, now: datetime) -> Job:
         first_etas().forget(str(job.id))
     elif Job.objects.filter(id=job.id, state__in=HELD_STATES, pause_requested=False).update(pause_requested=True):
         worker_id = Job.objects.filter(id=job.id).values_list("worker_id", flat=True).first()
-        _preempt(dispatcher(), str(job.id), worker_id, now=now)
+        job_pause_held(job_id=str(job.id), worker_id=worker_id, now=now)
     job.refresh_from_db()
     if job.state in ENDED_STATES:
         raise JobAlreadyEnded(f"job {job.id} already ended: {job.state}")
@@ -164,15 +164,15 @@ def job_resume(*, job: Job, now: datetime) -> Job:
     return job
 
 
-def _preempt(current: Dispatcher, job_id: str, worker_id: str | None, *, now: datetime,
-             relayed: bool = False) -> None:
-    """Take a held job off its worker for a pause. A v2 worker connected here gets `preempt`; the
-    job counts against its depth until its `job_preempted`, which pauses it with its checkpoint.
-    A worker this process does not know, with a shared queue, may be connected to another process:
-    that one is asked to do the same (`worker.preempt`; `relayed`: this process is that one, and
-    leaves a worker it does not hold either to the dead-worker rule, which pauses the job). Any
-    other holder (a v1 worker, one not back since this process started) is told to cancel it, and
-    the job is paused at once, with no new checkpoint."""
+def job_pause_held(*, job_id: str, worker_id: str | None, now: datetime, relayed: bool = False) -> None:
+    """Take a held job off its worker (`worker_id` in the database) for a pause. A v2 worker
+    connected here gets `preempt`; the job counts against its depth until its `job_preempted`,
+    which pauses it with its checkpoint. A worker this process does not know, with a shared queue,
+    may be connected to another process: that one is asked to do the same (`worker.preempt`;
+    `relayed`: this process is that one, and leaves a worker it does not hold either to the
+    dead-worker rule, which pauses the job). Any other holder (a v1 worker, one not back since this
+    process started) is told to cancel it, and the job is paused at once, with no new checkpoint."""
+    current = dispatcher()
     holder = current.holder_of(job_id)
     if holder is not None and holder.protocol >= PROTOCOL_V2:
         current.asked_to_preempt(job_id)
@@ -185,7 +185,7 @@ def _preempt(current: Dispatcher, job_id: str, worker_id: str | None, *, now: da
     released = current.release(job_id)
     _tell_holder(current, released, job_id, worker_id)
     if Job.objects.filter(id=job_id, state__in=HELD_STATES).update(
-            state=JobState.PAUSED, pause_requested=False, preemptions=F("preemptions") + 1, **_OFF_WORKER):
+            state=JobState.PAUSED, pause_requested=False, preemptions=F("preemptions") + 1, **OFF_WORKER):
         jobs_changed([job_id], now=now)
     if released:
         jobs_dispatch(now=now)

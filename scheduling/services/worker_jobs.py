@@ -17,8 +17,8 @@ from scheduling.events import jobs_changed
 from scheduling.models import HELD_STATES, Job, JobState
 from scheduling.policy import HeldJob, QueuedJob, retry_decision
 from scheduling.services.dispatch import jobs_dispatch, jobs_dispatch_or_wake
-from scheduling.services.job_rows import _send_back, _webhook_outbox, queued_job
-from scheduling.services.requests import _preempt
+from scheduling.services.job_rows import queued_job, send_back, webhook_outbox
+from scheduling.services.requests import job_pause_held
 from workers import selectors as worker_rows
 
 WORKER_LOST = "worker_lost"
@@ -34,8 +34,8 @@ def jobs_return(*, job_ids: set[str], now: datetime) -> None:
         current.release(str(job.id))
         if retry_decision(attempts=job.attempts) == "requeue":
             # back at its old place, from its latest checkpoint; paused instead when a pause was asked
-            back = _send_back(Job.objects.filter(id=job.id, state__in=HELD_STATES, attempts=job.attempts),
-                              attempts=job.attempts + 1, progress_step=None, progress_steps=None)
+            back = send_back(Job.objects.filter(id=job.id, state__in=HELD_STATES, attempts=job.attempts),
+                             attempts=job.attempts + 1, progress_step=None, progress_steps=None)
             if back == JobState.QUEUED:
                 current.push(queued_job(job))
                 requeued.append(queued_job(job))
@@ -55,7 +55,7 @@ def _fail_lost(job_id: uuid.UUID | str, *, now: datetime) -> bool:
             state=JobState.FAILED, error=WORKER_LOST, finished_at=now, pause_requested=False, checkpoint="",
             checkpoint_step=None)
         if failed:
-            _webhook_outbox(job_id, now=now)
+            webhook_outbox(job_id, now=now)
     return bool(failed)
 
 
@@ -83,7 +83,7 @@ def worker_jobs_connect(*, worker_id: str, channel_name: str, models: list[str],
     # A pause asked while it held a job: its preempt (or its answer) may have been lost with the
     # connection, so the worker that still holds the job is asked again.
     for job_id in sorted({str(row[0]) for row in rows if row[1]} - joined.lost):
-        _preempt(current, job_id, worker_id, now=now)
+        job_pause_held(job_id=job_id, worker_id=worker_id, now=now)
     orphans_sweep(now=now)
     jobs_dispatch(now=now)
     return joined.replaced

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -380,14 +381,18 @@ TestQueueInterleavings = QueueMachine.TestCase
 # --- plan_dispatch -------------------------------------------------------------------------------
 
 def worker(worker_id: str, models: str | set[str] = "m", *, held: int = 0, joined: int = 0,
-           rungs: dict[str, str] | None = None) -> WorkerCapacity:
+           rungs: dict[str, str] | None = None, draining: bool = False, holds: tuple[str, ...] = ()) -> WorkerCapacity:
+    """A worker for the dispatch; `holds`: the ids of jobs it holds (each counted in `held` too)."""
     return WorkerCapacity(worker_id=worker_id, models=frozenset({models} if isinstance(models, str) else models),
-                          held=held, joined=joined, rungs=rungs or {})
+                          held=held + len(holds), joined=joined, rungs=rungs or {}, draining=draining,
+                          job_ids=frozenset(holds))
 
 
 def plan(queued: list[QueuedJob], workers: list[WorkerCapacity], **options) -> list[tuple[str, str]]:
     options.setdefault("depth", 2)  # JOB_DISPATCH_DEPTH's default
-    return [(a.job.job_id, a.worker_id) for a in plan_dispatch(queues_of(*queued), workers, **options)]
+    options.setdefault("reservations", {})
+    options.setdefault("moves", [])
+    return [(a.job.job_id, a.worker_id) for a in plan_dispatch(queues_of(*queued), workers, **options).assignments]
 
 
 def five_jobs(model: str = "m") -> list[QueuedJob]:
@@ -462,11 +467,11 @@ def test_it_plans_dispatches(queued, workers, options, expected):
 def test_it_takes_planned_jobs_off_the_queue_and_leaves_the_rest():
     queues = queues_of(*five_jobs())
 
-    planned = plan_dispatch(queues, [worker("w")], depth=2)
+    planned = plan_dispatch(queues, [worker("w")], depth=2, reservations={}, moves=[]).assignments
 
     assert ids(a.job for a in planned) == ["j1", "j2"]
     assert ids(queues.queued("m")) == ["j3", "j4", "j5"]
-    assert plan_dispatch(queues, [worker("w", held=2)], depth=2) == []
+    assert plan_dispatch(queues, [worker("w", held=2)], depth=2, reservations={}, moves=[]).assignments == []
 
 
 def test_the_default_depth_is_the_contracts(settings):
@@ -495,7 +500,7 @@ def test_it_never_overfills_a_worker_nor_sends_a_job_twice_nor_leaves_a_fitting_
     by_id = {w.worker_id: w for w in workers}
     order_before = {model: ids(queues.queued(model)) for model in ["a", "b", "c"]}
 
-    planned = plan_dispatch(queues, workers, depth=depth)
+    planned = plan_dispatch(queues, workers, depth=depth, reservations={}, moves=[]).assignments
 
     sent = [a.job.job_id for a in planned]
     assert len(sent) == len(set(sent)), "a job planned twice"
@@ -511,6 +516,138 @@ def test_it_never_overfills_a_worker_nor_sends_a_job_twice_nor_leaves_a_fitting_
     for model in ["a", "b", "c"]:
         taken = [a.job.job_id for a in planned if a.job.model_id == model]
         assert taken == order_before[model][:len(taken)]
+
+
+# --- plan_dispatch: reservations and moves ---------------------------------------------------------
+
+def step(queued: list[QueuedJob], workers: list[WorkerCapacity], *, reservations: dict[str, str] | None = None,
+         moves: list[Move] | None = None) -> tuple[list[tuple[str, str]], dict[str, str], list[Move], bool]:
+    """One step of a dispatch at depth 2: what it assigns, the reservations and moves it leaves open,
+    and whether it took its jobs in the queue's order."""
+    planned = plan_dispatch(queues_of(*queued), workers, depth=2, reservations=reservations or {}, moves=moves or [])
+    return ([(a.job.job_id, a.worker_id) for a in planned.assignments], planned.reservations, planned.moves,
+            planned.in_turn)
+
+
+ALICE_JOBS = [QueuedJob("a1", "m", 0, 1, "alice"), QueuedJob("a2", "m", 0, 9, "alice")]
+BOB_JOBS = [QueuedJob("b1", "m", 0, 2, "bob")]
+
+RESERVATION_CASES = [
+    pytest.param(ALICE_JOBS + BOB_JOBS, [worker("w", held=1)], {"a2": "w"},
+                 ([("a2", "w")], {}, [], False), id="a reservation goes first, out of the queue's order"),
+    pytest.param(ALICE_JOBS + BOB_JOBS, [worker("w", held=2)], {"a2": "w"},
+                 ([], {"a2": "w"}, [], True), id="it waits while its worker has not given a job back"),
+    pytest.param(ALICE_JOBS + BOB_JOBS, [worker("full", held=2), worker("w", held=1, joined=1)],
+                 {"a2": "full", "b1": "w"},
+                 ([("b1", "w")], {"a2": "full"}, [], False), id="in order, the first whose worker has room"),
+    pytest.param(ALICE_JOBS, [worker("w", held=1)], {"a2": "gone"},
+                 ([("a1", "w")], {}, [], True), id="it ends when its worker left: the queue decides"),
+    pytest.param(ALICE_JOBS, [worker("w", held=1, draining=True), worker("w2", held=1, joined=1)], {"a2": "w"},
+                 ([("a1", "w2")], {}, [], True), id="it ends when its worker drains"),
+    pytest.param(ALICE_JOBS, [worker("w", held=1)], {"cancelled": "w"},
+                 ([("a1", "w")], {}, [], True), id="it ends when its job is no longer queued"),
+    pytest.param([QueuedJob("x1", "other", 9, 1, "alice")] + ALICE_JOBS, [worker("w", held=1)], {"x1": "w"},
+                 ([("a1", "w")], {}, [], True),
+                 id="it ends when its worker no longer serves the job's model: the job stays queued"),
+]
+
+
+@pytest.mark.parametrize(("queued", "workers", "reservations", "expected"), RESERVATION_CASES)
+def test_it_serves_a_reservation_before_the_queue(queued, workers, reservations, expected):
+    assert step(queued, workers, reservations=reservations) == expected
+
+
+MOVE_DISPATCH_CASES = [
+    pytest.param(ALICE_JOBS + BOB_JOBS, [worker("busy", holds=("a0",)), worker("idle", joined=1)],
+                 [Move("busy", "a2", "idle")], ([("a2", "idle")], {}, [], False),
+                 id="a job given back goes to its idle worker, out of the queue's order"),
+    pytest.param(ALICE_JOBS, [worker("busy", holds=("a0", "a5")), worker("idle", joined=1)],
+                 [Move("busy", "a5", "idle")], ([("a1", "idle")], {}, [Move("busy", "a5", "idle")], True),
+                 id="it waits while its job is on the worker it leaves, the idle one counting it as held"),
+    pytest.param(ALICE_JOBS, [worker("idle", held=2)], [Move("busy", "a2", "idle")],
+                 ([], {}, [], True), id="it ends when its idle worker got full meanwhile"),
+    pytest.param(ALICE_JOBS, [worker("other")], [Move("busy", "a2", "idle")],
+                 ([("a1", "other"), ("a2", "other")], {}, [], True), id="it ends when its idle worker left"),
+    pytest.param(ALICE_JOBS, [worker("idle", draining=True), worker("other", joined=1)],
+                 [Move("busy", "a2", "idle")],
+                 ([("a1", "other"), ("a2", "other")], {}, [], True), id="it ends when its idle worker drains"),
+    pytest.param(ALICE_JOBS, [worker("idle")], [Move("busy", "ended", "idle")],
+                 ([("a1", "idle"), ("a2", "idle")], {}, [], True), id="it ends when its job is no longer queued"),
+    pytest.param([QueuedJob("x1", "other", 0, 1, "alice")], [worker("idle")], [Move("busy", "x1", "idle")],
+                 ([], {}, [], True), id="it ends when its idle worker no longer serves the job's model"),
+]
+
+
+@pytest.mark.parametrize(("queued", "workers", "moves", "expected"), MOVE_DISPATCH_CASES)
+def test_it_serves_a_move_before_the_queue(queued, workers, moves, expected):
+    assert step(queued, workers, moves=moves) == expected
+
+
+def test_it_serves_reservations_before_moves_one_job_a_step():
+    workers = [worker("w", held=1), worker("idle", joined=1)]
+
+    assert step(ALICE_JOBS + BOB_JOBS, workers, reservations={"b1": "w"}, moves=[Move("busy", "a2", "idle")]) == (
+        [("b1", "w")], {}, [Move("busy", "a2", "idle")], False)
+
+
+def test_a_claim_that_failed_leaves_its_worker_room_for_the_next_reservation():
+    queues = queues_of(*ALICE_JOBS, *BOB_JOBS)
+    reservations = {"a2": "w", "b1": "w"}
+
+    first = plan_dispatch(queues, [worker("w", held=1)], depth=2, reservations=reservations, moves=[])
+    claimed = plan_dispatch(queues, [worker("w", held=2)], depth=2, reservations=first.reservations, moves=[])
+    refused = plan_dispatch(queues_of(*ALICE_JOBS, *BOB_JOBS), [worker("w", held=1)], depth=2,
+                            reservations=first.reservations, moves=[])
+
+    assert [a.job.job_id for a in first.assignments] == ["a2"] and first.reservations == {"b1": "w"}
+    assert claimed.assignments == [] and claimed.reservations == {"b1": "w"}
+    assert [a.job.job_id for a in refused.assignments] == ["b1"] and refused.reservations == {}
+
+
+@st.composite
+def dispatch_situations_with_reservations_and_moves(draw):
+    queued, workers, depth = draw(dispatch_situations())
+    workers = [replace(w, job_ids=frozenset(f"h.{w.worker_id}.{k}" for k in range(w.held)),
+                       draining=draw(st.booleans()) and draw(st.booleans())) for w in workers]
+    worker_ids = [w.worker_id for w in workers] + ["gone"]
+    queued_ids = [job.job_id for job in queued] + ["ended"]
+    held_ids = [job_id for w in workers for job_id in sorted(w.job_ids)]
+    reservations = draw(st.dictionaries(st.sampled_from(queued_ids), st.sampled_from(worker_ids), max_size=4))
+    moving = draw(st.lists(st.tuples(st.sampled_from(worker_ids), st.sampled_from(queued_ids + held_ids),
+                                     st.sampled_from(worker_ids)), max_size=4, unique_by=lambda move: move[1]))
+    return queued, workers, depth, reservations, [Move(*move) for move in moving]
+
+
+@given(dispatch_situations_with_reservations_and_moves())
+@settings(max_examples=200, deadline=None)
+def test_a_dispatch_run_to_its_end_overfills_no_worker_and_sends_reserved_or_moved_jobs_only_to_their_worker(
+        situation):
+    queued, workers, depth, reservations, moves = situation
+    queues = queues_of(*queued)
+    by_id = {w.worker_id: w for w in workers}
+    promised = {(move.job_id, move.to_worker_id) for move in moves} | set(reservations.items())
+    sent: list[str] = []
+
+    for _ in range(len(queued) + len(reservations) + len(moves) + 2):  # each step ends one or serves one
+        planned = plan_dispatch(queues, list(by_id.values()), depth=depth, reservations=reservations, moves=moves)
+        reservations, moves = planned.reservations, planned.moves
+        if not planned.assignments:
+            break
+        for assignment in planned.assignments:  # every claim succeeds
+            w = by_id[assignment.worker_id]
+            assert assignment.job.model_id in w.models and not w.draining
+            assert planned.in_turn or (assignment.job.job_id, w.worker_id) in promised
+            sent.append(assignment.job.job_id)
+            by_id[w.worker_id] = replace(w, held=w.held + 1, job_ids=w.job_ids | {assignment.job.job_id})
+    else:
+        pytest.fail("the dispatch did not end")
+
+    assert len(sent) == len(set(sent)), "a job sent twice"
+    assert all(by_id[w.worker_id].held <= max(depth, w.held) for w in workers), "a worker overfilled"
+    for worker_id in reservations.values():  # those left wait for their worker to give a job back
+        assert worker_id in by_id and not by_id[worker_id].draining and by_id[worker_id].held >= depth
+    for move in moves:  # those left wait for their job to be given back
+        assert move.job_id in by_id[move.worker_id].job_ids
 
 
 # --- plan_preemptions ---------------------------------------------------------------------------
