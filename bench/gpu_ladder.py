@@ -92,7 +92,7 @@ class StepClock:
     def __init__(self, cuda: bool):
         self.cuda, self.stamps = cuda, []  # type: ignore[var-annotated]
 
-    def __call__(self, step: int, steps: int) -> None:
+    def __call__(self, step: int, steps: int, preview: str | None = None) -> None:
         if self.cuda:
             import torch
 
@@ -110,7 +110,9 @@ def run_rows(model: Any, device: str, size: int, steps: int) -> None:
     import torch
 
     from gpuworker.ladder import mib
-    from gpuworker.pipelines import DiffusersPipeline, offload_dir_for
+    from gpuworker.pipelines import DiffusersPipeline
+    from gpuworker.step_hooks import StepHooks
+    from gpuworker.weights import offload_dir_for
 
     cuda = device.startswith("cuda")
     params = {"prompt": "a lighthouse at dusk", "width": size, "height": size, "steps": steps, "seed": 7}
@@ -129,7 +131,7 @@ def run_rows(model: Any, device: str, size: int, steps: int) -> None:
             torch.cuda.reset_peak_memory_stats()
         clock = StepClock(cuda)
         started = time.perf_counter()
-        (image,) = pipeline.generate(params, on_step=clock)
+        (image,) = pipeline.generate(params, hooks=StepHooks(progress=clock))
         job_s = time.perf_counter() - started
         peak = mib(torch.cuda.max_memory_allocated()) if cuda else "n/a"
         pixels = np.asarray(image, dtype=np.int16)
@@ -223,9 +225,11 @@ def demote_once(model: Any, device: str, size: int, steps: int) -> None:
     """One job at a hungry size on full under auto: out of memory, moved down, retried."""
     import torch
 
-    from gpuworker.jobs import DenoiseLoop, HeldJob, JobTiming
+    from gpuworker.denoise_loop import DenoiseLoop
+    from gpuworker.jobs import WorkerJob
     from gpuworker.ladder import mib
     from gpuworker.pipelines import DiffusersPipeline, InjectedOutOfMemory
+    from gpuworker.timings import JobTiming
 
     cuda = device.startswith("cuda")
     params = {"prompt": "a very large lighthouse", "width": size, "height": size, "steps": steps, "seed": 3}
@@ -263,7 +267,7 @@ def demote_once(model: Any, device: str, size: int, steps: int) -> None:
     loop = DenoiseLoop({model.model_id: pipeline}, post, lambda job: None, memory_mode="auto", demote=demote)
     loop.start()
     timing = JobTiming(job_id="oom-demo", model_id=model.model_id, received=time.monotonic())
-    loop.submit(HeldJob(job_id="oom-demo", model_id=model.model_id, params=params, timing=timing))
+    loop.submit(WorkerJob(job_id="oom-demo", model_id=model.model_id, params=params, timing=timing))
     finished = done.wait(600)
     loop.stop()
     if cuda:

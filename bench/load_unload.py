@@ -2,7 +2,7 @@
 issue 12): how long a load takes, the step time the worker reports, and whether an unload gives
 the device memory back.
 
-The real worker client (gpuworker.main.build_client, `--preload none`) serves a fake API's socket
+The real worker (gpuworker.main.build_worker, `--preload none`) serves a fake API's socket
 (tests.gpuworker.fake_api: the wire messages, nothing else) with one installed model: on CUDA a
 random-weight pipeline sized like Stable Diffusion 1.5 (bench/gpu_ladder.py, 2.1 GB in float16),
 on CPU the tiny model. The API side sends load_model (each rung in turn, full again at the end),
@@ -99,7 +99,7 @@ def build_model(root: Path, device: str) -> tuple[str, int]:
 
 
 async def cycles(args: argparse.Namespace, device: str, root: Path, model_id: str) -> list[dict[str, Any]]:
-    from gpuworker.main import WorkerOptions, build_client
+    from gpuworker.main import WorkerOptions, build_worker
 
     cuda = device.startswith("cuda")
     rows: list[dict[str, Any]] = []
@@ -107,8 +107,8 @@ async def cycles(args: argparse.Namespace, device: str, root: Path, model_id: st
         options = WorkerOptions(api=fake.url, token="secret", models_dir=root, device=device, worker_id="bench:0",
                                 realtime=args.realtime, memory_mode="auto", preload=[],
                                 vram_mib=None if cuda else args.vram_mib)
-        client = build_client(options)
-        task = asyncio.create_task(client.run())
+        worker = build_worker(options)
+        task = asyncio.create_task(worker.run())
         try:
             hello = await fake.next_message("hello", WAIT_SECONDS)
             (installed,) = hello["installed"]
@@ -156,7 +156,7 @@ async def cycles(args: argparse.Namespace, device: str, root: Path, model_id: st
                 print(f"after the last unload, cuBLAS workspaces cleared and the cache emptied: "
                       f"{nvml_free_mib(device):.0f} MiB free, allocated/reserved {allocator(cuda)} MiB")
         finally:
-            client.stop()
+            worker.stop()
             await asyncio.wait_for(task, WAIT_SECONDS)
     return rows
 

@@ -74,6 +74,7 @@ def _tiny_step_and_latents(size: int, steps: int) -> tuple[float, Any, str]:
     from gpuworker.installed import discover_models
     from gpuworker.pipelines import DiffusersPipeline
     from gpuworker.previews import family_of_pipeline
+    from gpuworker.step_hooks import StepHooks
     from gpuworker.tiny import make_tiny_model
 
     with tempfile.TemporaryDirectory() as root:
@@ -84,8 +85,11 @@ def _tiny_step_and_latents(size: int, steps: int) -> tuple[float, Any, str]:
     pipeline.generate({**params, "steps": 1})  # warm-up
     stamps: list[float] = []
     seen: list[Any] = []
-    pipeline.generate(params, on_step=lambda step, steps: stamps.append(time.perf_counter()),
-                      on_latents=lambda step, steps, latents: seen.append(latents.clone()))
+
+    def keep(step: int, steps: int, latents: Any) -> None:  # the latents each preview would be made of
+        seen.append(latents.clone())
+
+    pipeline.generate(params, hooks=StepHooks(progress=lambda *_: stamps.append(time.perf_counter()), preview=keep))
     step_ms = statistics.median((b - a) * 1000 for a, b in zip(stamps, stamps[1:], strict=False))
     family = family_of_pipeline(pipeline) or "sd"
     return step_ms, seen[-1], family

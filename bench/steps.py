@@ -26,14 +26,14 @@
     timeline, from its job_progress and job_checkpoint posts, integrated the same way beside the
     simulation on its own steps, which checks the timer rule the table assumes.
 (c) mixed load on one worker: DenoiseLoop with its FrameRunner on the tiny pipeline in this process,
-    wired as client.WorkerClient wires them (frames queued as SessionDesk queues them: FrameQueue.put and
+    wired as worker.GpuWorker wires them (frames queued as SessionDesk queues them: FrameQueue.put and
     a wake). N sessions (--sessions 3), each sending its next frame as soon as its previous frame_result
     is posted (closed loop, so frames always wait: the heaviest realtime load N sessions make), 64x64,
     2 steps at strength 0.6, batched up to N per call; a stream of 20-step 64x64 jobs kept 3 held
     (one running, 1-2 waiting: the next is submitted at each job_result). Four phases of 15 s (after
     2 s of warm-up) each: frames alone, jobs alone, frames + jobs, and the baseline: frames + jobs on
-    the worker WITHOUT yielding, the same DenoiseLoop whose _run_frames does nothing when on_step calls
-    it (gather=False), so frames run only before a job and between jobs. Frame latency: the frame
+    the worker WITHOUT yielding, the same DenoiseLoop whose _run_frames does nothing when a job's progress
+    hook calls it (gather=False), so frames run only before a job and between jobs. Frame latency: the frame
     queued -> its frame_result posted. jobs/s: job_progress posts in the window / steps per job. Step:
     between two job_progress posts of one job (under load, frames run at that boundary count in it).
     Busy: the union of the thread's pipeline calls (jobs' generate, frames' generate_frames) over the
@@ -47,7 +47,7 @@
     the same run: the urgent job at priority 0, which waits for the long jobs ahead of it (3 times).
 
 (e) the same through the API: real Daphne (tests.support.stack) and the real worker built as
-    runworker_gpu builds it (gpuworker.main.build_client) in this process, so its JobTiming is read
+    runworker_gpu builds it (gpuworker.main.build_worker) in this process, so its JobTiming is read
     directly. One account's 50-step job runs; once it is 2 steps further on, and a random moment into
     a step later, the account submits a 2-step job at priority 9 over REST; its delay: the POST's
     start -> the worker's denoising start of it, 5 times (--urgent-rounds). Two cases:
@@ -135,23 +135,24 @@ def _tiny_rows(size: int, steps: int) -> None:
 
 def _tiny_row(adapter: Any, params: dict[str, Any], name: str) -> None:
     from gpuworker.checkpoints import Checkpoint
+    from gpuworker.step_hooks import StepHooks
 
     adapter.generate({**params, "steps": 1})  # warm-up
     stamps: list[float] = []
-    adapter.generate(params, on_step=lambda step, steps: stamps.append(time.perf_counter()))
+    adapter.generate(params, hooks=StepHooks(progress=lambda *_: stamps.append(time.perf_counter())))
     step_s = statistics.median(b - a for a, b in zip(stamps, stamps[1:], strict=False))
     saves: list[float] = []
     texts: list[tuple[str, int]] = []
     reported: list[float] = []
 
     def keep(checkpoint: Any) -> None:
-        captured = time.perf_counter()  # capture_checkpoint ran between on_step and here
+        captured = time.perf_counter()  # capture_checkpoint ran between the progress hook and here
         text = checkpoint.to_base64()
         saves.append(captured - reported[-1] + time.perf_counter() - captured)
         texts.append((text, len(checkpoint.to_blob())))
 
-    adapter.generate(params, on_step=lambda step, steps: reported.append(time.perf_counter()),
-                     capture=lambda: bool(reported), on_checkpoint=keep)
+    adapter.generate(params, hooks=StepHooks(progress=lambda *_: reported.append(time.perf_counter()),
+                                             checkpoint_due=lambda: bool(reported), on_checkpoint=keep))
     text, blob = max(texts, key=lambda pair: len(pair[0]))  # DPM's grows with its history
     fingerprint = Checkpoint.from_base64(text).fingerprint  # the job's: generate took it for this job
     resume_s = statistics.median(_resume_seconds(text, adapter.pipe.scheduler, params["steps"], "cpu", fingerprint)
@@ -291,14 +292,14 @@ class Timed:
 def _loop_class(yielding: bool) -> type:
     """DenoiseLoop as the worker runs it, or (yielding False) the worker without yielding: the same
     loop with no frames between a job's steps, so frames run only before a job and between jobs."""
-    from gpuworker.jobs import DenoiseLoop
+    from gpuworker.denoise_loop import DenoiseLoop
 
     if yielding:
         return DenoiseLoop
 
     class WithoutYielding(DenoiseLoop):
         def _run_frames(self, *, gather: bool = True) -> float:
-            if not gather:  # called from on_step, between two steps of a job
+            if not gather:  # called from a job's progress hook, between two of its steps
                 return 0.0
             return super()._run_frames(gather=gather)
 
@@ -306,7 +307,7 @@ def _loop_class(yielding: bool) -> type:
 
 
 class Rig:
-    """One worker's denoising thread in this process, wired as client.WorkerClient wires it: a
+    """One worker's denoising thread in this process, wired as job_desk.JobDesk wires it: a
     FrameRunner whose frames the DenoiseLoop runs, both on the tiny pipeline; every message the worker
     would send is kept here with the time it was posted. `feed` keeps that many jobs held (one running,
     the rest waiting), submitting the next each time one posts its job_result."""
@@ -341,13 +342,14 @@ class Rig:
 
     def submit(self, params: dict[str, Any], *, priority: int = 0, account: str | None = None,
                job_id: str | None = None) -> str:
-        from gpuworker.jobs import HeldJob, JobTiming
+        from gpuworker.jobs import WorkerJob
+        from gpuworker.timings import JobTiming
 
         if job_id is None:
             job_id = f"job-{next(self._next_id)}"
             if params is self.job_params:
                 self.fed.add(job_id)
-        self.loop.submit(HeldJob(job_id, MODEL, params, JobTiming(job_id, MODEL, time.perf_counter()),
+        self.loop.submit(WorkerJob(job_id, MODEL, params, JobTiming(job_id, MODEL, time.perf_counter()),
                                  priority=priority, account=account))
         return job_id
 
@@ -448,10 +450,12 @@ def _job_steps(measured: list[float], seconds: float) -> list[float]:
 def _tiny_step_and_save(steps: int) -> tuple[list[float], list[float]]:
     """The tiny pipeline's step seconds (a plain run) and save seconds (a capture at each boundary of a
     second run: capture_checkpoint inside generate, then the wire's base64, as DenoiseLoop sends it)."""
+    from gpuworker.step_hooks import StepHooks
+
     adapter = _tiny()
     params = {"prompt": "a lighthouse at dusk", "width": 64, "height": 64, "steps": steps, "seed": 7}
     stamps: list[float] = []
-    adapter.generate(params, on_step=lambda step, steps: stamps.append(time.perf_counter()))
+    adapter.generate(params, hooks=StepHooks(progress=lambda *_: stamps.append(time.perf_counter())))
     step_seconds = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
     reported: list[float] = []
     saves: list[float] = []
@@ -460,8 +464,8 @@ def _tiny_step_and_save(steps: int) -> tuple[list[float], list[float]]:
         checkpoint.to_base64()
         saves.append(time.perf_counter() - reported[-1])
 
-    adapter.generate(params, on_step=lambda step, steps: reported.append(time.perf_counter()),
-                     capture=lambda: bool(reported), on_checkpoint=keep)
+    adapter.generate(params, hooks=StepHooks(progress=lambda *_: reported.append(time.perf_counter()),
+                                             checkpoint_due=lambda: bool(reported), on_checkpoint=keep))
     return step_seconds, saves
 
 
@@ -553,14 +557,14 @@ def _draw(rig: Rig, session_id: str, params: Any, strength: float, image: bytes,
           sent: list[tuple[float, float]]) -> None:
     """One drawer: its next frame as soon as its previous result is posted (as SessionDesk.frame queues
     it: FrameQueue.put, and a wake when the queue was empty); keeps (submitted, latency)."""
-    from gpuworker.frames import Frame
+    from gpuworker.frames import QueuedFrame
 
     for seq in itertools.count(1):
         if stop.is_set():
             return
         submitted = time.perf_counter()
-        frame = Frame(session_id=session_id, seq=seq, model_id=MODEL, params=params, prompt=f"{session_id} draws",
-                      strength=strength, image=image, received=submitted)
+        frame = QueuedFrame(session_id=session_id, seq=seq, model_id=MODEL, params=params,
+                            prompt=f"{session_id} draws", strength=strength, image=image, received=submitted)
         if rig.runner.queue.put(frame):
             rig.loop.wake()
         key = (session_id, seq)
@@ -724,14 +728,14 @@ def _urgent_through_api(args: argparse.Namespace, depth: int, case: str) -> None
 
     import httpx
 
-    from gpuworker.main import WorkerOptions, build_client
+    from gpuworker.main import WorkerOptions, build_worker
     from tests.support.stack import Stack
 
     async def rounds(stack: Stack, account: str, worker_token: str, models_dir: Path) -> tuple[list[float], float]:
-        client = build_client(WorkerOptions(api=stack.ws_url, token=worker_token, models_dir=models_dir,
+        worker = build_worker(WorkerOptions(api=stack.ws_url, token=worker_token, models_dir=models_dir,
                                             device="cpu", worker_id=f"bench-urgent-{depth}:0", threads=args.threads,
                                             realtime=False))
-        running = asyncio.create_task(client.run())
+        running = asyncio.create_task(worker.run())
         headers = {"Authorization": f"Token {account}"}
         size = args.urgent_size
         async with httpx.AsyncClient(base_url=stack.http_url, headers=headers, timeout=60, trust_env=False) as api:
@@ -753,7 +757,7 @@ def _urgent_through_api(args: argparse.Namespace, depth: int, case: str) -> None
                     await asyncio.sleep(0.01)
 
             def timing_of(job_id: str) -> Any:
-                return next(t for t in reversed(client.timings) if t.job_id == job_id)
+                return next(t for t in reversed(worker.timings) if t.job_id == job_id)
 
             # the step time, from an uninterrupted job of the same size
             alone = await submit("alone", 20, 0)
@@ -776,7 +780,7 @@ def _urgent_through_api(args: argparse.Namespace, depth: int, case: str) -> None
                 await wait(urgent, lambda job: job["state"] == "succeeded")
                 delays.append(timing_of(urgent).denoise_start - submitted)
             await api.post(f"/api/v1/jobs/{long}/cancel/")
-        client.stop()
+        worker.stop()
         await asyncio.gather(running, return_exceptions=True)
         return delays, step_s
 

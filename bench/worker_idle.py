@@ -1,7 +1,7 @@
 """The real worker's denoising loop between back-to-back jobs: idle time from its own timings.
 
 The API runs as Daphne; the worker runs in this process (the same code runworker_gpu runs, built by
-gpuworker.main.build_client) so that its JobTiming records can be read directly. N jobs are
+gpuworker.main.build_worker) so that its JobTiming records can be read directly. N jobs are
 queued at once on the tiny model; the worker holds 2, so it encodes and uploads one while it
 denoises the next. Goal: the loop idle < 5% of the time between the first job's denoising start and
 the last one's end.
@@ -25,11 +25,11 @@ from tests.support.stack import Stack  # noqa: E402
 
 async def run_jobs(stack: Stack, account_token: str, worker_token: str, models_dir: Path, jobs: int, steps: int,
                    size: int) -> list:
-    from gpuworker.main import WorkerOptions, build_client
+    from gpuworker.main import WorkerOptions, build_worker
 
-    client = build_client(WorkerOptions(api=stack.ws_url, token=worker_token, models_dir=models_dir,
+    worker = build_worker(WorkerOptions(api=stack.ws_url, token=worker_token, models_dir=models_dir,
                                         device="cpu", worker_id="bench-idle:0", threads=1))
-    running = asyncio.create_task(client.run())
+    running = asyncio.create_task(worker.run())
     headers = {"Authorization": f"Token {account_token}"}
     async with httpx.AsyncClient(base_url=stack.http_url, headers=headers, timeout=30) as api:
         ids = []
@@ -45,14 +45,14 @@ async def run_jobs(stack: Stack, account_token: str, worker_token: str, models_d
                 break
             assert time.monotonic() < deadline, f"jobs not done: {states}"
             await asyncio.sleep(0.2)
-    client.stop()
+    worker.stop()
     await asyncio.gather(running, return_exceptions=True)
     assert states == ["succeeded"] * jobs, states
-    return list(client.timings)
+    return list(worker.timings)
 
 
 def bench_worker_idle(jobs: int, steps: int = 4, size: int = 64) -> None:
-    from gpuworker.jobs import denoise_idle_gaps
+    from gpuworker.timings import denoise_idle_gaps
 
     with Stack() as stack:
         account_token, worker_token = stack.prepare()

@@ -1,18 +1,6 @@
-"""Checkpoints of a denoising job at a step boundary: its latents, its scheduler's state and its CPU
-generator's state, as one compact blob that a later call (another process, the same device and
-software) resumes from to give the pixels of an uninterrupted run. PROTOCOL.md "Step-boundary scheduling".
-
-The blob is a safetensors file whose metadata holds a small JSON header (step, steps, the scheduler's
-index, the fingerprint). safetensors rather than torch.save: it has no pickle at all, so a malformed or
-hostile blob can never run code (torch.load(weights_only=True) only narrows what pickle may build),
-its header is bounded JSON we check field by field, and it has no zip container around each tensor.
-
-Resuming needs no custom `timesteps=` (EulerAncestral and DDIM take none): the pipeline is called
-with the job's full num_inference_steps, and `denoising` narrows two of its methods for that one
-call: the scheduler's set_timesteps hands the pipeline only the timesteps left, and prepare_latents
-puts the full schedule and the captured state back on the scheduler and returns the captured
-latents as they were (not multiplied by init_noise_sigma again, which is not exact in floats).
-"""
+"""A denoising job's state at a step boundary (latents, scheduler state, CPU generator state) as one
+safetensors blob that a later call resumes from to give the uninterrupted run's pixels, and `denoising`,
+which narrows one pipeline call to resume; docs/protocol.md, `job_checkpoint` and `preempt`."""
 from __future__ import annotations
 
 import base64
@@ -30,7 +18,7 @@ if TYPE_CHECKING:
     import torch
 
 FORMAT = 1
-MAX_CHECKPOINT_CHARS = 8 * 2**20  # the wire's limit on a checkpoint's base64 text (PROTOCOL.md)
+MAX_CHECKPOINT_CHARS = 8 * 2**20  # the wire's limit on a checkpoint's base64 text (docs/protocol.md)
 MAX_BLOB_BYTES = MAX_CHECKPOINT_CHARS // 4 * 3  # the largest blob whose base64 fits that limit
 _HEADER_KEY = "potocolom.checkpoint"
 _LATENTS, _GENERATOR, _HISTORY = "latents", "generator", "history."
@@ -113,6 +101,8 @@ class Checkpoint:
 
     def to_blob(self) -> bytes:
         """The checkpoint as safetensors bytes; CheckpointRefused when over MAX_BLOB_BYTES."""
+        # safetensors, not torch.save: no pickle at all, so a malformed or hostile blob can never run
+        # code, and its header is bounded JSON that from_blob checks field by field.
         from safetensors.torch import save
 
         tensors = {_LATENTS: self.latents, _GENERATOR: self.generator_state}
@@ -254,86 +244,99 @@ def _first_index(scheduler: Any, timestep: Any) -> int:
 
 @contextmanager
 def denoising(pipe: Any, *, resume: Checkpoint | None = None, on_start: StartSeen | None = None) -> Iterator[None]:
-    """For one call of `pipe`: resume from `resume` (a txt2img pipeline called with the job's full
-    num_inference_steps), and/or tell `on_start` the latents and scheduler index before the first step.
-
-    It narrows, on these two objects only and for this call only, the two methods the pipeline calls
-    before its first step: the scheduler's set_timesteps (which then hands the pipeline the timesteps
-    left) and the pipeline's prepare_latents (which returns the captured latents unchanged). The
-    captured scheduler state goes back in whichever of the two comes second: SD and SDXL set their
-    timesteps first, and prepare_latents puts the full schedule back too; SD3's txt2img prepares its
-    latents first, and set_timesteps puts the state back (its steps read the sigmas by the begin
-    index, never the sliced timesteps, which the call's end replaces with the full schedule). Once
-    the state is back, a set_begin_index of the pipeline's own (SDXL's txt2img sets 0 just before
-    its loop) counts from where the schedule it was handed begins: the resumed index is added.
-    """
+    """For one call of `pipe`: resume it from `resume` (a txt2img pipeline called with the job's full
+    num_inference_steps), and/or tell `on_start` the latents and scheduler index before its first step."""
     if resume is None and on_start is None:
         yield
         return
-    scheduler = pipe.scheduler
-    if "prepare_latents" in vars(pipe) or {"set_timesteps", "set_begin_index"} & set(vars(scheduler)):
-        raise RuntimeError("a pipeline call is already being resumed or watched")
-    real_prepare, real_set_timesteps = pipe.prepare_latents, scheduler.set_timesteps
-    signature = inspect.signature(real_prepare)
-    full_schedule: list[Any] = []
-    prepared: list[tuple[Any, Any]] = []  # (latents, device) once prepare_latents has run
+    call = _NarrowedCall(pipe, resume, on_start)
+    try:
+        yield
+    finally:
+        call.undo()
 
-    def cannot_resume() -> RuntimeError:
-        return RuntimeError(f"{type(pipe).__name__} does not set its timesteps once and prepare its latents "
-                            "once, so it cannot be resumed")
 
-    def restore(device: Any) -> None:
-        assert resume is not None
-        restore_scheduler(scheduler, resume.scheduler, device)
-        real_set_begin = getattr(scheduler, "set_begin_index", None)
+class _NarrowedCall:
+    """The two methods a pipeline calls before its first step, narrowed on these two objects for one call.
+
+    The scheduler's set_timesteps then hands the pipeline only the timesteps left, and the pipeline's
+    prepare_latents returns the captured latents as they were (not multiplied by init_noise_sigma
+    again, which is not exact in floats). The captured scheduler state goes back in whichever of the
+    two comes second: SD and SDXL set their timesteps first, and prepare_latents puts the full
+    schedule back too; SD3's txt2img prepares its latents first (its steps read the sigmas by the
+    begin index, never the sliced timesteps, which `undo` replaces with the full schedule). Once the
+    state is back, a set_begin_index of the pipeline's own (SDXL's txt2img sets 0 before its loop)
+    counts from where the schedule it was handed begins: the resumed index is added.
+    """
+
+    def __init__(self, pipe: Any, resume: Checkpoint | None, on_start: StartSeen | None):
+        scheduler = pipe.scheduler
+        if "prepare_latents" in vars(pipe) or {"set_timesteps", "set_begin_index"} & set(vars(scheduler)):
+            raise RuntimeError("a pipeline call is already being resumed or watched")
+        self.pipe, self.scheduler, self.resume, self.on_start = pipe, scheduler, resume, on_start
+        self.real_prepare, self.real_set_timesteps = pipe.prepare_latents, scheduler.set_timesteps
+        self.signature = inspect.signature(self.real_prepare)
+        self.full_schedule: list[Any] = []  # each schedule set_timesteps made (one, for a call we can resume)
+        self.prepared: list[tuple[Any, Any]] = []  # (latents, device) once prepare_latents has run
+        pipe.prepare_latents = self.prepare_latents
+        scheduler.set_timesteps = self.set_timesteps
+
+    def undo(self) -> None:
+        """The methods back as they were, and no sliced schedule left after the call."""
+        del self.pipe.prepare_latents
+        del self.scheduler.set_timesteps
+        if "set_begin_index" in vars(self.scheduler):
+            del self.scheduler.set_begin_index
+        if self.full_schedule:
+            self.scheduler.timesteps = self.full_schedule[0]
+
+    def set_timesteps(self, *args: Any, **kwargs: Any) -> None:
+        self.real_set_timesteps(*args, **kwargs)
+        self.full_schedule.append(self.scheduler.timesteps)
+        if self.resume is not None:
+            if len(self.full_schedule) != 1:
+                raise self._cannot_resume()
+            if self.prepared:  # latents first (SD3): the state goes back now, after set_timesteps reset it
+                self._restore_state(self.prepared[0][1])
+            self.scheduler.timesteps = self.scheduler.timesteps[self.resume.scheduler.index:]
+        if self.prepared and self.on_start is not None and len(self.full_schedule) == 1:
+            self.on_start(self.prepared[0][0], self._start_index(None))
+
+    def prepare_latents(self, *args: Any, **kwargs: Any) -> Any:
+        arguments = self.signature.bind(*args, **kwargs).arguments
+        latents = self.real_prepare(*args, **kwargs) if self.resume is None else self._resumed_latents(arguments)
+        self.prepared.append((latents, arguments.get("device")))
+        if self.full_schedule and self.on_start is not None:
+            self.on_start(latents, self._start_index(arguments.get("timestep")))
+        return latents
+
+    def _resumed_latents(self, arguments: dict[str, Any]) -> Any:
+        assert self.resume is not None
+        if len(self.full_schedule) > 1 or self.prepared or "latents" not in self.signature.parameters:
+            raise self._cannot_resume()
+        if self.full_schedule:  # timesteps first (SD, SDXL): the full schedule and the state go back now
+            self.scheduler.timesteps = self.full_schedule[0]
+            self._restore_state(arguments["device"])
+        return self.resume.latents.to(device=arguments["device"], dtype=arguments["dtype"])
+
+    def _restore_state(self, device: Any) -> None:
+        assert self.resume is not None
+        restore_scheduler(self.scheduler, self.resume.scheduler, device)
+        real_set_begin = getattr(self.scheduler, "set_begin_index", None)
         if real_set_begin is not None:
-            offset = resume.scheduler.index
+            offset = self.resume.scheduler.index
 
             def set_begin_index(begin_index: int = 0) -> None:
                 real_set_begin(begin_index + offset)
 
-            scheduler.set_begin_index = set_begin_index
+            self.scheduler.set_begin_index = set_begin_index
 
-    def set_timesteps(*args: Any, **kwargs: Any) -> None:
-        real_set_timesteps(*args, **kwargs)
-        full_schedule.append(scheduler.timesteps)
-        if resume is not None:
-            if len(full_schedule) != 1:
-                raise cannot_resume()
-            if prepared:  # latents first (SD3): the state goes back now, after set_timesteps reset it
-                restore(prepared[0][1])
-            scheduler.timesteps = scheduler.timesteps[resume.scheduler.index:]
-        if prepared and on_start is not None and len(full_schedule) == 1:
-            on_start(prepared[0][0], resume.scheduler.index if resume is not None else _first_index(scheduler, None))
+    def _start_index(self, timestep: Any) -> int:
+        return self.resume.scheduler.index if self.resume is not None else _first_index(self.scheduler, timestep)
 
-    def prepare_latents(*args: Any, **kwargs: Any) -> Any:
-        arguments = signature.bind(*args, **kwargs).arguments
-        if resume is None:
-            latents = real_prepare(*args, **kwargs)
-        else:
-            if len(full_schedule) > 1 or prepared or "latents" not in signature.parameters:
-                raise cannot_resume()
-            if full_schedule:  # timesteps first (SD, SDXL): the full schedule and the state go back now
-                scheduler.timesteps = full_schedule[0]
-                restore(arguments["device"])
-            latents = resume.latents.to(device=arguments["device"], dtype=arguments["dtype"])
-        prepared.append((latents, arguments.get("device")))
-        if full_schedule and on_start is not None:
-            index = resume.scheduler.index if resume is not None else _first_index(scheduler, arguments.get("timestep"))
-            on_start(latents, index)
-        return latents
-
-    pipe.prepare_latents = prepare_latents
-    scheduler.set_timesteps = set_timesteps
-    try:
-        yield
-    finally:
-        del pipe.prepare_latents
-        del scheduler.set_timesteps
-        if "set_begin_index" in vars(scheduler):
-            del scheduler.set_begin_index
-        if full_schedule:
-            scheduler.timesteps = full_schedule[0]  # no sliced schedule stays after the call
+    def _cannot_resume(self) -> RuntimeError:
+        return RuntimeError(f"{type(self.pipe).__name__} does not set its timesteps once and prepare its latents "
+                            "once, so it cannot be resumed")
 
 
 def _channels_last(tensors: dict[str, torch.Tensor]) -> list[str]:

@@ -1,6 +1,6 @@
-"""Model families (PROTOCOL.md "Model families"): which family a diffusers pipeline belongs to, and
-what differs between families where the worker's code must know (one adapter per family). The story
-is told in docs/design/families.md."""
+"""Model families: which family a diffusers pipeline belongs to, and what differs between families
+where the worker's code must know (one adapter per family); docs/protocol.md, "Model families", and
+docs/design/families.md."""
 from __future__ import annotations
 
 import math

@@ -14,13 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from gpuworker.inputs import ParamsRefused, open_image
 from gpuworker.limits import MAX_IMAGE_PIXELS
-from gpuworker.pipelines import (
-    FrameRequest,
-    GenerationRequest,
-    InvalidParams,
-    open_image,
-)
+from gpuworker.pipelines import FrameRequest, GenerationRequest
 from potocolom.protocol.worker import FrameResult
 
 if TYPE_CHECKING:
@@ -60,7 +56,7 @@ class SessionParams:
 
 
 @dataclass(frozen=True)
-class Frame:
+class QueuedFrame:
     """One frame of a live session, as received; its image's header was checked when it arrived
     (sessions.frame_of), its pixels are decoded on the denoising thread."""
 
@@ -87,15 +83,15 @@ def call_strength(steps: int, denoised: int) -> float:
 BatchKey = tuple[str, int, int, int, float, int]
 
 
-def batch_key(frame: Frame) -> BatchKey:
+def batch_key(frame: QueuedFrame) -> BatchKey:
     """Frames with equal keys can share one pipeline call."""
     p = frame.params
     return (frame.model_id, p.width, p.height, p.steps, p.guidance_scale, denoise_steps(p.steps, frame.strength))
 
 
-def newest_per_session(frames: Sequence[Frame]) -> list[Frame]:
+def newest_per_session(frames: Sequence[QueuedFrame]) -> list[QueuedFrame]:
     """One frame per session, the one with the highest seq, at its session's first place."""
-    newest: dict[str, Frame] = {}
+    newest: dict[str, QueuedFrame] = {}
     for frame in frames:
         held = newest.get(frame.session_id)
         if held is None or frame.seq >= held.seq:
@@ -103,13 +99,13 @@ def newest_per_session(frames: Sequence[Frame]) -> list[Frame]:
     return list(newest.values())
 
 
-def group_frames(frames: Sequence[Frame], max_batch: Mapping[str, int]) -> list[list[Frame]]:
+def group_frames(frames: Sequence[QueuedFrame], max_batch: Mapping[str, int]) -> list[list[QueuedFrame]]:
     """Batches for one pipeline call each, in order of their first frame; at most max_batch[model]
     frames each (1 for a model not named); only the newest frame per session."""
-    groups: dict[BatchKey, list[Frame]] = {}
+    groups: dict[BatchKey, list[QueuedFrame]] = {}
     for frame in newest_per_session(frames):
         groups.setdefault(batch_key(frame), []).append(frame)
-    batches: list[list[Frame]] = []
+    batches: list[list[QueuedFrame]] = []
     for key, group in groups.items():
         size = max(1, max_batch.get(key[0], 1))
         batches.extend(group[i:i + size] for i in range(0, len(group), size))
@@ -164,9 +160,9 @@ class FrameQueue:
 
     def __init__(self) -> None:
         self._changed = threading.Condition()
-        self._pending: dict[str, Frame] = {}
+        self._pending: dict[str, QueuedFrame] = {}
 
-    def put(self, frame: Frame) -> bool:
+    def put(self, frame: QueuedFrame) -> bool:
         """Queue a frame (an older pending frame of its session is replaced; an older frame than
         the pending one is dropped); True when the queue was empty before."""
         with self._changed:
@@ -177,7 +173,7 @@ class FrameQueue:
             self._changed.notify_all()
             return was_empty
 
-    def take(self, wait: Callable[[Sequence[Frame]], float] | None = None) -> list[Frame]:
+    def take(self, wait: Callable[[Sequence[QueuedFrame]], float] | None = None) -> list[QueuedFrame]:
         """Take every pending frame. With `wait`, first wait while wait(pending frames) gives
         seconds left (more than 0): each put, drop or clear asks it again."""
         with self._changed:
@@ -269,7 +265,7 @@ class FrameRunner:
             ran += self._run_batch(batch)
         return ran
 
-    def _gather_wait(self, pending: Sequence[Frame]) -> float:
+    def _gather_wait(self, pending: Sequence[QueuedFrame]) -> float:
         now = self._clock()
         window = gather_window(self._last_call_seconds, self._max_batch)
         if window <= 0:
@@ -298,12 +294,12 @@ class FrameRunner:
         self._last_ran.pop(session_id, None)  # first: dropping the frame wakes a gathering thread
         self.queue.drop_session(session_id)
 
-    def _run_batch(self, batch: list[Frame]) -> int:
-        decoded: list[tuple[Frame, Image]] = []
+    def _run_batch(self, batch: list[QueuedFrame]) -> int:
+        decoded: list[tuple[QueuedFrame, Image]] = []
         for frame in batch:
             try:
                 decoded.append((frame, open_image(frame.image, max_pixels=self.max_image_pixels, what="frame image")))
-            except InvalidParams as exc:
+            except ParamsRefused as exc:
                 log.warning("session %s: frame %s dropped: %s", frame.session_id, frame.seq, exc)
         pipeline = self._pipelines.get(batch[0].model_id)
         if not decoded or pipeline is None:
@@ -337,7 +333,7 @@ class FrameRunner:
             pass
         return 1
 
-    def _send(self, frames: list[Frame], images: list[Image], gpu_ms: float) -> None:
+    def _send(self, frames: list[QueuedFrame], images: list[Image], gpu_ms: float) -> None:
         for frame, image in zip(frames, images, strict=True):
             try:
                 encoded = self._encode(image)

@@ -1,6 +1,6 @@
 """The models installed on this GPU host: every `MODELS_DIR/*/manifest.json`, parsed with the
-contract's manifest rules (potocolom.protocol.manifests), `source` resolved against each file's folder.
-Plain data, no Django: the worker program runs on hosts without the API's code paths."""
+contract's manifest rules, `source` resolved against each file's folder (plain data, no Django);
+docs/protocol.md, "Model manifest"."""
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -18,7 +18,7 @@ class UnknownModelError(ValueError):
 
 
 @dataclass(frozen=True)
-class InstalledModel:
+class ModelOnDisk:
     """One manifest entry, with `source` resolved against the manifest's folder."""
 
     model_id: str
@@ -35,7 +35,7 @@ class InstalledModel:
         return Path(self.source).is_dir()
 
     @classmethod
-    def of(cls, manifest: Manifest, manifest_path: Path) -> InstalledModel:
+    def of(cls, manifest: Manifest, manifest_path: Path) -> ModelOnDisk:
         return cls(model_id=manifest.model_id, pipeline=manifest.pipeline,
                    source=_resolve_source(manifest_path, manifest.source), manifest_path=manifest_path,
                    tier=manifest.tier, cost=manifest.cost, capabilities=manifest.capabilities,
@@ -52,14 +52,14 @@ def _resolve_source(manifest_path: Path, source: str) -> str:
     return source
 
 
-def read_manifest(path: str | Path) -> list[InstalledModel]:
+def read_manifest(path: str | Path) -> list[ModelOnDisk]:
     """The models one manifest file describes (an object or a list of objects)."""
     manifest_path = Path(path).resolve()
     try:
         data = manifest_path.read_bytes()
     except OSError as exc:
         raise ManifestError(f"{manifest_path}: cannot be read ({exc.strerror})") from None
-    return [InstalledModel.of(m, manifest_path) for m in parse_manifest_file(data, origin=str(manifest_path))]
+    return [ModelOnDisk.of(m, manifest_path) for m in parse_manifest_file(data, origin=str(manifest_path))]
 
 
 def parse_model_ids(text: str | None) -> list[str] | None:
@@ -70,7 +70,7 @@ def parse_model_ids(text: str | None) -> list[str] | None:
     return ids or None
 
 
-def discover_models(models_dir: str | Path, only: Iterable[str] | None = None) -> list[InstalledModel]:
+def discover_models(models_dir: str | Path, only: Iterable[str] | None = None) -> list[ModelOnDisk]:
     """The installed models, sorted by model_id; `only` (from --models) narrows them.
 
     Raises ManifestError for a bad manifest or a model_id installed twice, and UnknownModelError
@@ -79,7 +79,7 @@ def discover_models(models_dir: str | Path, only: Iterable[str] | None = None) -
     root = Path(models_dir).expanduser()
     if not root.is_dir():
         raise ManifestError(f"the models dir {root} does not exist or is not a folder")
-    found: dict[str, InstalledModel] = {}
+    found: dict[str, ModelOnDisk] = {}
     for manifest_path in sorted(root.glob(f"*/{MANIFEST_NAME}")):
         for model in read_manifest(manifest_path):
             if model.model_id in found:

@@ -1,8 +1,6 @@
-"""Loading the installed models onto the memory ladder, one by one in load order: each is read onto
-the CPU, measured (footprints.py), given its rung by the pure plan (ladder.place_next) against what
-is free now, and placed there; one that fits on no rung is left out, with the reason in the log.
-Also what the loaded models hold together (`placed_now`), and what is measured once a model is
-placed: its step time (`measure_step_ms`) and its realtime slots (`realtime_capacity`)."""
+"""Loading the installed models onto the memory ladder one by one in load order (read, measured, given
+a rung against what is free, placed; one that fits on no rung is left out), and what is measured
+once a model is placed: its step time and realtime slots; docs/design/memory-ladder.md."""
 from __future__ import annotations
 
 import logging
@@ -12,12 +10,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpuworker.footprints import pipeline_footprint
-from gpuworker.installed import InstalledModel
+from gpuworker.installed import ModelOnDisk
 from gpuworker.ladder import Placed, RungChoice, host_bytes, mib, place_next
 from gpuworker.limits import Limits
-from gpuworker.pipelines import DEFAULT_GUIDANCE_SCALE, DiffusersPipeline, Fault, offload_dir_for, read_modules
+from gpuworker.pipelines import DEFAULT_GUIDANCE_SCALE, DiffusersPipeline, Fault
 from gpuworker.slots import RealtimeCapacity, describe, measure_capacity
 from gpuworker.vram import VramBudget, available_ram_bytes, give_back_device_memory
+from gpuworker.weights import offload_dir_for, read_modules
 from potocolom.protocol.rungs import MODE_AUTO, RUNG_FULL
 
 log = logging.getLogger(__name__)
@@ -32,7 +31,7 @@ class Loaded:
     refused: dict[str, str] = field(default_factory=dict)
 
 
-def load_pipelines(models: list[InstalledModel], device: str, *, mode: str = MODE_AUTO,
+def load_pipelines(models: list[ModelOnDisk], device: str, *, mode: str = MODE_AUTO,
                    budget: VramBudget | None = None, fault: Fault | None = None,
                    limits: Limits | None = None) -> Loaded:
     """Every model that fits, placed on its rung; raises PipelineLoadError for one that cannot be read.

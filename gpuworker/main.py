@@ -1,6 +1,6 @@
 """Start a GPU worker from its options: find the installed models, load those it preloads onto the
-ladder, measure their step time and realtime slots, connect and serve (loading and unloading more
-when the API asks: models_on_demand.py) until SIGINT or SIGTERM. No Django here."""
+ladder, measure their step time and realtime slots, connect and serve until SIGINT or SIGTERM (no
+Django here); docs/protocol.md, "Operator commands", and docs/operations.md."""
 from __future__ import annotations
 
 import asyncio
@@ -11,15 +11,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpuworker.client import WorkerClient
 from gpuworker.connection import WorkerConfig
-from gpuworker.installed import InstalledModel, UnknownModelError, discover_models, parse_model_ids
+from gpuworker.installed import ModelOnDisk, UnknownModelError, discover_models, parse_model_ids
 from gpuworker.limits import Limits
-from gpuworker.loading import load_pipelines, measure_step_ms, placed_now, realtime_capacity
+from gpuworker.loading import Loaded, load_pipelines, measure_step_ms, placed_now, realtime_capacity
 from gpuworker.models_on_demand import InstalledCatalog, ModelsOnDemand, dtype_bytes_for
-from gpuworker.pipelines import InjectedOutOfMemory, PipelineLoadError
+from gpuworker.pipelines import InjectedOutOfMemory
 from gpuworker.quiet import quiet_libraries
 from gpuworker.vram import VramBudget, device_index
+from gpuworker.weights import PipelineLoadError
+from gpuworker.worker import GpuWorker
 from potocolom.protocol.manifests import ManifestError
 from potocolom.protocol.rungs import MEMORY_MODES, RUNG_FULL
 
@@ -67,7 +68,7 @@ def parse_preload(text: str) -> list[str] | None:
     return ids
 
 
-def preloaded(models: list[InstalledModel], preload: list[str] | None) -> list[InstalledModel]:
+def preloaded(models: list[ModelOnDisk], preload: list[str] | None) -> list[ModelOnDisk]:
     """The models to load at start, in load order; WorkerStartError for an id not installed."""
     if preload is None:
         return models
@@ -123,18 +124,55 @@ def measure_step_times(pipelines: dict[str, Any]) -> dict[str, float]:
     return step_ms
 
 
-def build_client(options: WorkerOptions) -> Any:
-    """Load the installed models and make the WorkerClient (not yet connected)."""
-    # The manifests first: a wrong --models fails in a blink, before torch is even imported.
+def build_worker(options: WorkerOptions) -> GpuWorker:
+    """Load the installed models and make the GpuWorker (not yet connected)."""
+    # 1. The manifests first: a wrong --models fails in a blink, before torch is even imported.
+    models = installed_models(options)
+    preload = preloaded(models, options.preload)
+    # 2. torch, the device and what it has free.
+    device = start_device(options)
+    budget = VramBudget(device, options.vram_mib)
+    # 3. The models preloaded onto the ladder, in load order.
+    try:
+        limits = options.limits or Limits.from_env()
+        fault = InjectedOutOfMemory.from_env()  # a test seam: None unless POTOCOLOM_TEST_OOM is set
+        loaded = load_pipelines(preload, device, mode=options.memory_mode, budget=budget, fault=fault, limits=limits)
+    except (PipelineLoadError, ValueError) as exc:
+        raise WorkerStartError(str(exc)) from exc
+    catalog = InstalledCatalog.read(models, dtype_bytes=dtype_bytes_for(device), max_side=limits.max_image_side)
+    log_preloaded(preload, models, loaded)
+    # 4. What is measured of each on the full rung: its step time and its realtime slots.
+    catalog.step_ms.update(measure_step_times(loaded.pipelines))
+    realtime = measure_realtime(loaded.pipelines, options.frame_budget_ms) if options.realtime else {}
+    catalog.capacity.update(realtime)  # a preloaded model unloaded and loaded again is not measured again
+    on_demand = ModelsOnDemand(catalog, device=device, budget=budget, memory_mode=options.memory_mode,
+                               frame_budget_ms=options.frame_budget_ms if options.realtime else None, fault=fault,
+                               limits=limits)
+    # 5. The worker, whose hello says the memory free as it is then.
+    worker = _make_worker(options, device, budget, loaded.pipelines, realtime, limits, on_demand)
+    rungs = ", ".join(f"{model_id} ({pipeline.rung})" for model_id, pipeline in loaded.pipelines.items()) or "no model"
+    log.info("worker %s serves %s on %s, MEMORY_MODE %s, VRAM budget %s", worker.config.worker_id, rungs, device,
+             options.memory_mode, f"{options.vram_mib} MiB" if options.vram_mib is not None else "not set")
+    if loaded.refused:
+        log.warning("not served (fit on no rung): %s", ", ".join(loaded.refused))
+    return worker
+
+
+def installed_models(options: WorkerOptions) -> list[ModelOnDisk]:
+    """The installed models after --models; WorkerStartError when there are none or a manifest is bad."""
     try:
         models = discover_models(options.models_dir, options.models)
     except (ManifestError, UnknownModelError) as exc:
         raise WorkerStartError(str(exc)) from exc
     if not models:
         raise WorkerStartError(f"no models installed in {options.models_dir} (expected DIR/*/manifest.json)")
-    preload = preloaded(models, options.preload)
+    return models
 
-    import torch  # only now: a wrong --models fails before torch's seconds of import
+
+def start_device(options: WorkerOptions) -> str:
+    """torch set up for the worker (imported only now: a wrong --models fails before its seconds of
+    import), and the device it runs on, checked."""
+    import torch
 
     quiet_libraries()  # before the first pipeline is read: no progress bars, no torchvision notice
     if options.threads:
@@ -143,71 +181,59 @@ def build_client(options: WorkerOptions) -> Any:
     _check(options, device)
     if device.startswith("cuda"):
         torch.zeros(1, device=device)  # the CUDA context first, so the free figure already counts it
-    budget = VramBudget(device, options.vram_mib)
-    try:
-        limits = options.limits or Limits.from_env()
-        fault = InjectedOutOfMemory.from_env()  # a test seam: None unless POTOCOLOM_TEST_OOM is set
-        loaded = load_pipelines(preload, device, mode=options.memory_mode, budget=budget, fault=fault, limits=limits)
-    except (PipelineLoadError, ValueError) as exc:
-        raise WorkerStartError(str(exc)) from exc
-    pipelines = loaded.pipelines
-    catalog = InstalledCatalog.read(models, dtype_bytes=dtype_bytes_for(device), max_side=limits.max_image_side)
+    return device
+
+
+def log_preloaded(preload: list[ModelOnDisk], models: list[ModelOnDisk], loaded: Loaded) -> None:
     if not preload:
         log.info("--preload none: connecting with no model loaded; %d installed, loaded when the API asks",
                  len(models))
-    elif not pipelines:
+    elif not loaded.pipelines:
         # It stays connected with nothing to serve (an empty models list): the operator sees it in
         # the API, and a restart with more memory or smaller models is all it takes.
         reasons = "; ".join(f"{model_id}: {why}" for model_id, why in loaded.refused.items())
         log.error("no model fits this worker's memory (%s); connecting with none to serve", reasons)
-    catalog.step_ms.update(measure_step_times(pipelines))
-    realtime = measure_realtime(pipelines, options.frame_budget_ms) if options.realtime else {}
-    catalog.capacity.update(realtime)  # a preloaded model unloaded and loaded again is not measured again
-    worker_id = options.worker_id or default_worker_id(device)
-    on_demand = ModelsOnDemand(catalog, device=device, budget=budget, memory_mode=options.memory_mode,
-                               frame_budget_ms=options.frame_budget_ms if options.realtime else None, fault=fault,
-                               limits=limits)
-    client: WorkerClient | None = None
+
+
+def _make_worker(options: WorkerOptions, device: str, budget: VramBudget, pipelines: dict[str, Any],
+                 realtime: dict[str, Any], limits: Limits, on_demand: ModelsOnDemand) -> GpuWorker:
+    worker: GpuWorker | None = None
 
     def current_gpu() -> dict[str, Any] | None:
         """hello.gpu now: a demoted or unloaded model no longer holds its weights against a
-        --vram-mib budget, and one loaded on demand does (the client's pipelines, once it exists)."""
-        budget.held_bytes = placed_now(client.pipelines if client is not None else pipelines).resident_bytes
+        --vram-mib budget, and one loaded on demand does (the worker's pipelines, once it exists)."""
+        budget.held_bytes = placed_now(worker.pipelines if worker is not None else pipelines).resident_bytes
         return budget.gpu_info()
 
+    worker_id = options.worker_id or default_worker_id(device)
     try:
         config = WorkerConfig(api_url=options.api, token=options.token, worker_id=worker_id, gpu=current_gpu())
-        client = WorkerClient(config, pipelines, realtime=realtime, memory_mode=options.memory_mode,
-                              gpu_info=current_gpu, limits=limits, drain_seconds=options.drain_seconds,
-                              on_demand=on_demand)
+        worker = GpuWorker(config, pipelines, realtime=realtime, memory_mode=options.memory_mode,
+                           gpu_info=current_gpu, limits=limits, drain_seconds=options.drain_seconds,
+                           on_demand=on_demand)
     except ValueError as exc:
         raise WorkerStartError(str(exc)) from exc
-    client.frames.cap_batches(options.max_batch)
-    rungs = ", ".join(f"{model_id} ({pipeline.rung})" for model_id, pipeline in pipelines.items()) or "no model"
-    log.info("worker %s serves %s on %s, MEMORY_MODE %s, VRAM budget %s", worker_id, rungs, device,
-             options.memory_mode, f"{options.vram_mib} MiB" if options.vram_mib is not None else "not set")
-    if loaded.refused:
-        log.warning("not served (fit on no rung): %s", ", ".join(loaded.refused))
-    return client
+    worker.frames.cap_batches(options.max_batch)
+    return worker
 
 
-async def serve(client: Any) -> int:
-    """Run the client until SIGINT (stop at once and close the socket) or SIGTERM (drain: give the
+async def serve(worker: GpuWorker) -> int:
+    """Run the worker until SIGINT (stop at once and close the socket) or SIGTERM (drain: give the
     held jobs and sessions back, then stop; a second SIGTERM stops at once); the exit status
-    (client.exit_status: 0 stopped or drained, 1 the drain's deadline passed, 2 a second SIGTERM)."""
+    (worker.exit_status: 0 stopped or drained, 1 the drain's deadline passed, 2 a second SIGTERM)."""
     loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGINT, client.stop)
-    loop.add_signal_handler(signal.SIGTERM, client.terminate)
+    loop.add_signal_handler(signal.SIGINT, worker.stop)
+    loop.add_signal_handler(signal.SIGTERM, worker.terminate)
     try:
-        await client.run()
+        await worker.run()
     finally:
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(signum)
-    return int(client.exit_status)
+    return worker.exit_status
 
 
 def run_worker(options: WorkerOptions) -> int:
     """Start and serve; the exit status (see serve). Raises WorkerStartError, or
     connection.TokenRefused when the token is refused."""
-    client = build_client(options)
-    return asyncio.run(serve(client))
+    worker = build_worker(options)
+    return asyncio.run(serve(worker))

@@ -1,7 +1,6 @@
-"""Models loaded and unloaded while the worker serves, when the API asks (placement across machines,
-issue 12): what the worker has installed and what each rung of it needs (`InstalledCatalog`, the
-v2 hello's `installed`), and `ModelsOnDemand`, which answers load_model and unload_model one at a
-time, in order, on a loader thread of its own. docs/protocol.md, "Placement across machines"."""
+"""Models loaded and unloaded while the worker serves, when the API asks: what is installed and what
+each rung of it needs (`InstalledCatalog`, the v2 hello's `installed`), and `ModelsOnDemand`, which
+answers load_model and unload_model in order on a loader thread; docs/protocol.md, "Placement across workers"."""
 from __future__ import annotations
 
 import asyncio
@@ -17,14 +16,15 @@ from typing import Any, Protocol
 
 from gpuworker.footprints import pipeline_footprint, saved_footprint
 from gpuworker.frames import FrameRunner
-from gpuworker.installed import InstalledModel
+from gpuworker.installed import ModelOnDisk
 from gpuworker.ladder import MIB, Footprint, Placed, RungChoice, need_beside, place_next
 from gpuworker.limits import Limits
 from gpuworker.loading import measure_step_ms, placed_now, realtime_capacity
-from gpuworker.pipelines import DiffusersPipeline, Fault, Modules, PipelineLoadError, offload_dir_for, read_modules
+from gpuworker.pipelines import DiffusersPipeline, Fault
 from gpuworker.sessions import SessionDesk
 from gpuworker.slots import RealtimeCapacity
 from gpuworker.vram import VramBudget, available_ram_bytes, give_back_device_memory
+from gpuworker.weights import Modules, PipelineLoadError, offload_dir_for, read_modules
 from potocolom.protocol.entries import InstalledEntry
 from potocolom.protocol.fields import Message
 from potocolom.protocol.rungs import MODE_AUTO, RUNG_FULL, RUNGS
@@ -72,13 +72,13 @@ class InstalledCatalog:
     load's: kept when it is demoted or unloaded, and not measured again when it is loaded again
     (the measuring takes seconds, the slots most of them, and the API waits for model_loaded)."""
 
-    models: dict[str, InstalledModel]
+    models: dict[str, ModelOnDisk]
     saved: dict[str, Footprint] = field(default_factory=dict)  # models whose files could not be read are left out
     step_ms: dict[str, float] = field(default_factory=dict)
     capacity: dict[str, RealtimeCapacity] = field(default_factory=dict)
 
     @classmethod
-    def read(cls, models: Iterable[InstalledModel], *, dtype_bytes: int, max_side: int) -> InstalledCatalog:
+    def read(cls, models: Iterable[ModelOnDisk], *, dtype_bytes: int, max_side: int) -> InstalledCatalog:
         catalog = cls({model.model_id: model for model in models})
         for model_id, model in catalog.models.items():
             try:
@@ -121,7 +121,7 @@ def rung_for_load(footprint: Footprint, placed: Placed, *, free_bytes: int | Non
 
 
 class Host(Protocol):
-    """What ModelsOnDemand needs of the worker client (client.WorkerClient)."""
+    """What ModelsOnDemand needs of the worker (worker.GpuWorker)."""
 
     pipelines: dict[str, Any]
     frames: FrameRunner
@@ -138,7 +138,7 @@ class Host(Protocol):
 
 
 @dataclass
-class LoadedModel:
+class PipelineOnRung:
     """A model placed by the loader thread, with what was measured there."""
 
     pipeline: DiffusersPipeline
@@ -147,7 +147,7 @@ class LoadedModel:
     capacity: RealtimeCapacity | None
 
 
-Read = Callable[[InstalledModel, str], Modules]
+Read = Callable[[ModelOnDisk, str], Modules]
 
 
 class ModelsOnDemand:
@@ -155,7 +155,7 @@ class ModelsOnDemand:
 
     The reading, placing and measuring happen on the "model-load" thread, never on the event loop
     nor the denoising thread: jobs and frames of the other models go on meanwhile. The tables a
-    model lives in (the client's pipelines, which the denoising loop shares, the frame runner's
+    model lives in (the worker's pipelines, which the denoising loop shares, the frame runner's
     and the session desk's) change on the event loop only, once the model is placed or before it
     is freed. `frame_budget_ms` None: realtime off (nothing measured). `read` is the seam that
     reads a model's modules (tests hold a load there).
@@ -186,7 +186,7 @@ class ModelsOnDemand:
         self._host = host
 
     def start(self) -> None:
-        """In the running event loop (client.run): the worker of the queue, and its thread."""
+        """In the running event loop (GpuWorker.run): the worker of the queue, and its thread."""
         self._wake = asyncio.Event()
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-load")
         self._task = asyncio.create_task(self._work(), name="models-on-demand")
@@ -237,7 +237,7 @@ class ModelsOnDemand:
                 self._queue(UNLOAD, model_id, None)
 
     def _bound(self) -> Host:
-        assert self._host is not None, "ModelsOnDemand.bind(client) first"
+        assert self._host is not None, "ModelsOnDemand.bind(worker) first"
         return self._host
 
     def _queue(self, kind: str, model_id: str, rung: str | None) -> None:
@@ -335,8 +335,8 @@ class ModelsOnDemand:
 
     # --- the loader thread's side -----------------------------------------------------------------
 
-    def _load_here(self, model: InstalledModel, rung: str | None, loaded: Mapping[str, Any],
-                   step_ms: float | None = None, capacity: RealtimeCapacity | None = None) -> LoadedModel | str:
+    def _load_here(self, model: ModelOnDisk, rung: str | None, loaded: Mapping[str, Any],
+                   step_ms: float | None = None, capacity: RealtimeCapacity | None = None) -> PipelineOnRung | str:
         """On the loader thread: the model placed and measured (unless `step_ms` and `capacity`
         were measured at an earlier load), or why not (everything it took given back)."""
         try:
@@ -356,8 +356,8 @@ class ModelsOnDemand:
         return rung_for_load(footprint, placed, free_bytes=self.budget.free_bytes(), memory_mode=self.memory_mode,
                              asked=rung, ram_free_bytes=ram_free)
 
-    def _place(self, model: InstalledModel, rung: str | None, loaded: Mapping[str, Any],
-               known_step_ms: float | None = None, known_capacity: RealtimeCapacity | None = None) -> LoadedModel:
+    def _place(self, model: ModelOnDisk, rung: str | None, loaded: Mapping[str, Any],
+               known_step_ms: float | None = None, known_capacity: RealtimeCapacity | None = None) -> PipelineOnRung:
         model_id = model.model_id
         placed = placed_now(loaded)
         saved = self.catalog.saved.get(model_id)
@@ -389,7 +389,7 @@ class ModelsOnDemand:
             if self.frame_budget_ms is not None:
                 capacity = (known_capacity if known_capacity is not None
                             else realtime_capacity(model_id, pipeline, self.frame_budget_ms))
-        return LoadedModel(pipeline, choice, step_ms, capacity)
+        return PipelineOnRung(pipeline, choice, step_ms, capacity)
 
 
 def _free(gpu: dict[str, Any] | None) -> str:

@@ -1,13 +1,13 @@
 """What the worker has to say, waiting to leave in order, and its final messages (job_result,
-job_failed, job_preempted) kept until the API acknowledges them (v2) or, for a v1 API, until sent: plain data,
-bounded, used on the event loop only. Why and how: docs/protocol.md (worker socket, v2)."""
+job_failed, job_preempted) kept until the API acknowledges them (v2) or, for a v1 API, until sent:
+plain data, bounded, event loop only; docs/protocol.md, "Protocol versions" under "Worker socket", and `job_ack`."""
 from __future__ import annotations
 
 import collections
 import logging
 from dataclasses import dataclass
 
-from gpuworker.jobs import HeldJob
+from gpuworker.jobs import WorkerJob
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ class Outgoing:
 
     kind: str
     text: str
-    job: HeldJob | None
+    job: WorkerJob | None
     job_id: str | None = None
     sent_at: float | None = None
 
@@ -83,8 +83,11 @@ class Outbox:
         self._queue.popleft()
 
     def wanted(self, out: Outgoing) -> bool:
-        """False for a final message that was acknowledged, dropped or forgotten meanwhile."""
-        return not out.final or (out.job_id is not None and self._finals.get(out.job_id) is out)
+        """False for a final message that was acknowledged, dropped or forgotten meanwhile, and for
+        any other message about a job cancelled since it was queued."""
+        if out.final:
+            return out.job_id is not None and self._finals.get(out.job_id) is out
+        return out.job is None or not out.job.cancelled
 
     def sent(self, out: Outgoing, *, now: float, await_ack: bool) -> None:
         """A message went out: a final one waits for its job_ack (v2), or is done with (v1)."""

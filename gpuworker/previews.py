@@ -1,6 +1,6 @@
-"""Job previews (PROTOCOL.md "For the people who use it", Previews): a job's current latents as a small
-base64 JPEG for `job_progress`, decoded by a fixed linear map per model family from latent channels
-to RGB (no VAE call, no extra weights). The story is told in docs/design/previews.md."""
+"""Job previews: a job's current latents as a small base64 JPEG for `job_progress`, decoded by a
+fixed linear map per model family from latent channels to RGB (no VAE call, no extra weights); the
+story: docs/design/previews.md."""
 from __future__ import annotations
 
 import base64
@@ -162,34 +162,29 @@ MakePreview = Callable[[Any, "str | None"], str]
 
 
 class JobPreviews:
-    """One run of a job's previews, on the denoising thread: `see(step, steps, latents)` (the
-    pipeline's latents hook, called just before the step's on_step) makes a preview when `step` is
-    a multiple of `every` (0: never), and `take()` hands it to that step's job_progress. A preview
-    that fails is logged once and the run goes on without previews: it never fails the job."""
+    """One run of a job's previews, on the denoising thread: `preview(step, steps, latents)` makes
+    one when `step` is a multiple of `every` (0: never). A preview that fails is logged once and the
+    run goes on without previews: it never fails the job."""
 
     def __init__(self, every: int, pipeline: Any, *, job_id: str, make: MakePreview = preview_b64):
         self.every = max(0, every)
         self._pipeline = pipeline
         self._job_id = job_id
         self._make = make
-        self._pending: str | None = None
         self.failed = False
 
     @property
     def on(self) -> bool:
         return self.every > 0 and not self.failed
 
-    def see(self, step: int, steps: int, latents: Any) -> None:
-        self._pending = None
+    def preview(self, step: int, steps: int, latents: Any) -> str | None:
+        """The step's preview (base64 JPEG), or None."""
         if not self.on or step % self.every:
-            return
+            return None
         try:
-            self._pending = self._make(latents, family_of_pipeline(self._pipeline))
+            return self._make(latents, family_of_pipeline(self._pipeline))
         except Exception:
             self.failed = True
             log.warning("job %s: its preview at step %d of %d failed; the job goes on without previews",
                         self._job_id, step, steps, exc_info=True)
-
-    def take(self) -> str | None:
-        pending, self._pending = self._pending, None
-        return pending
+            return None

@@ -1,7 +1,6 @@
-"""The worker's log set-up for the libraries it runs: no tqdm progress bars (diffusers' and
-transformers' loading and saving bars, the hub's downloads) and none of their notices that say
-nothing (torchvision absent, an empty float32 list), so a worker's log holds its own records and
-the libraries' real warnings ("Logs" in docs/operations.md)."""
+"""The worker's log set-up for the libraries it runs: no progress bars and none of their notices that
+say nothing (torchvision absent, an empty float32 list), so a worker's log holds its own records and
+the libraries' real warnings; docs/operations.md, "Logs"."""
 from __future__ import annotations
 
 import logging

@@ -9,9 +9,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gpuworker.frames import Frame, FramePipeline, FrameRunner, SessionParams
+from gpuworker.frames import FramePipeline, FrameRunner, QueuedFrame, SessionParams
+from gpuworker.inputs import ParamsRefused, checked_image_bytes
 from gpuworker.limits import MAX_IMAGE_PIXELS
-from gpuworker.pipelines import DEFAULT_GUIDANCE_SCALE, MAX_SEED, InvalidParams, checked_image_bytes
+from gpuworker.pipelines import DEFAULT_GUIDANCE_SCALE, MAX_SEED
 from gpuworker.slots import RealtimeCapacity
 from potocolom.protocol.browser import frame_params
 from potocolom.protocol.rungs import RUNG_FULL
@@ -68,15 +69,15 @@ class SessionTable:
 
 def session_params(raw: Any, capacity: RealtimeCapacity, pipeline: FramePipeline,
                    rng: random.Random | None = None) -> SessionParams:
-    """session_start.params with the session defaults filled in; raises InvalidParams."""
+    """session_start.params with the session defaults filled in; raises ParamsRefused."""
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise InvalidParams(f"params must be a JSON object, got {type(raw).__name__}")
+        raise ParamsRefused(f"params must be a JSON object, got {type(raw).__name__}")
     for key in ("width", "height", "steps"):
         value = raw.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise InvalidParams(f"{key} must be an integer, got {value!r}"[:200])
+            raise ParamsRefused(f"{key} must be an integer, got {value!r}"[:200])
     chosen = {key: raw[key] for key in SESSION_PARAM_KEYS if raw.get(key) is not None}
     chosen.setdefault("width", capacity.width)
     chosen.setdefault("height", capacity.height)
@@ -90,13 +91,13 @@ def session_params(raw: Any, capacity: RealtimeCapacity, pipeline: FramePipeline
 
 
 def frame_of(message: FrameOrder, session: LiveSession, received: float, *,
-             max_image_pixels: int = MAX_IMAGE_PIXELS) -> Frame:
-    """A frame message as a Frame of its session; MessageError for params off the contract,
-    InvalidParams for an image that is not PNG, JPEG or WebP or declares more than
+             max_image_pixels: int = MAX_IMAGE_PIXELS) -> QueuedFrame:
+    """A frame message as a QueuedFrame of its session; MessageError for params off the contract,
+    ParamsRefused for an image that is not PNG, JPEG or WebP or declares more than
     `max_image_pixels` pixels (read from its header: microseconds, nothing decoded)."""
     params = frame_params(message.params)
     image = checked_image_bytes(message.image, max_pixels=max_image_pixels, what="frame image")
-    return Frame(session_id=session.session_id, seq=message.seq, model_id=session.model_id, params=session.params,
+    return QueuedFrame(session_id=session.session_id, seq=message.seq, model_id=session.model_id, params=session.params,
                  prompt=params.prompt[:PROMPT_CHARS], strength=params.strength, image=image, received=received)
 
 
@@ -156,7 +157,7 @@ class SessionDesk:
         if reason is None:  # bad params first: they are refused everywhere, a full worker only here
             try:
                 params = session_params(raw_params, self.capacities[model_id], self._pipelines[model_id], self._rng)
-            except InvalidParams as exc:
+            except ParamsRefused as exc:
                 reason = f"bad params: {exc}"
         if reason is None and self.table.free(model_id) < 1:
             reason = f"no free realtime slot for model {model_id} ({self.table.slots[model_id]} in use)"
@@ -181,7 +182,7 @@ class SessionDesk:
 
     def end(self, session_id: str) -> None:
         """Free the session's slot and drop its pending frame; results still in flight are dropped
-        by the client (`holds` turns false)."""
+        by the worker (`holds` turns false)."""
         session = self.table.remove(session_id)
         self._runner.drop_session(session_id)
         if session is not None:
@@ -209,7 +210,7 @@ class SessionDesk:
             return
         try:
             frame = frame_of(message, session, self._clock(), max_image_pixels=self._runner.max_image_pixels)
-        except InvalidParams as exc:  # refused here, on the event loop: the denoising thread never sees it
+        except ParamsRefused as exc:  # refused here, on the event loop: the denoising thread never sees it
             log.warning("session %s: frame %s dropped: %s", message.session_id, message.seq, exc)
             return
         if self._runner.queue.put(frame):

@@ -1,7 +1,6 @@
 """What the denoising loop says and keeps at a job's step boundaries: where a job stopped, its
-job_preempted and job_checkpoint messages (a checkpoint that cannot be captured or is over the
-wire's 8 MiB goes as null, or not at all), the periodic checkpoint's timer (time injected), and the
-checkpoint a run resumes from. The story: docs/protocol.md, "Step-boundary scheduling"."""
+job_preempted and job_checkpoint messages, the periodic checkpoint's timer, and the checkpoint a run
+resumes from; docs/protocol.md, `job_preempted`, `job_checkpoint` and "Priority at every step"."""
 from __future__ import annotations
 
 import logging

@@ -1,5 +1,6 @@
 """What one job's time went to on a worker (monotonic timestamps, for logs and benchmarks), and the
-denoising loop's idle gaps between back-to-back jobs (encoding and upload should never hold it up)."""
+denoising loop's idle gaps between back-to-back jobs (encoding and upload should never hold it up;
+bench/worker_idle.py measures them)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -43,8 +44,8 @@ def denoise_idle_gaps(timings: Sequence[JobTiming]) -> list[float]:
     For each job that was already held when the job before it finished denoising, the time from
     that end to its own denoising start. Zero-ish gaps mean encoding and upload never held it up.
     """
-    ran = sorted((t for t in timings if t.denoise_start is not None and t.denoise_end is not None),
-                 key=lambda t: t.denoise_start or 0.0)
-    return [after.denoise_start - before.denoise_end  # type: ignore[operator]
-            for before, after in zip(ran, ran[1:], strict=False)
-            if after.received <= before.denoise_end]  # type: ignore[operator]
+    # (denoise_start, denoise_end, received) of each job that ran, in the order it started
+    ran = sorted(((t.denoise_start, t.denoise_end, t.received) for t in timings
+                  if t.denoise_start is not None and t.denoise_end is not None), key=lambda run: run[0])
+    return [start - ended for (_, ended, _), (start, _, received) in zip(ran, ran[1:], strict=False)
+            if received <= ended]

@@ -1,7 +1,6 @@
 """The worker's priority rule over the jobs it holds, as plain data (no threads, no clock): which job
-the denoising thread runs next, and whether the running one must step aside. Jobs of different
-accounts take turns in the order they were received; within an account, its jobs fill its turns
-by priority. The story: docs/protocol.md, "Priority at every step"."""
+runs next, and whether the running one must step aside (accounts take turns in arrival order, an
+account's jobs fill its turns by priority); docs/protocol.md, "Priority at every step" under "API → worker"."""
 from __future__ import annotations
 
 import itertools

@@ -1,5 +1,6 @@
 """What the memory ladder plans against: free VRAM (NVML, which sees other processes too, else
-torch), system RAM (psutil), and the pretend budget of `--vram-mib` on a machine without CUDA."""
+torch), system RAM (psutil), and the pretend budget of `--vram-mib` on a machine without CUDA;
+docs/design/memory-ladder.md."""
 from __future__ import annotations
 
 import logging

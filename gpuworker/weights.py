@@ -1,6 +1,6 @@
 """Reading a model onto the CPU at its run dtype (so the ladder can measure it before anything
 reaches the device) and placing it on a rung: `pipe.to`, `enable_model_cpu_offload` or
-`enable_group_offload`. torch and diffusers are imported lazily."""
+`enable_group_offload` (torch and diffusers imported lazily); docs/design/memory-ladder.md, "The rungs"."""
 from __future__ import annotations
 
 import contextlib
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpuworker.installed import InstalledModel
+from gpuworker.installed import ModelOnDisk
 from potocolom.protocol.rungs import RUNG_FULL, RUNG_GROUP_OFFLOAD, RUNG_MODEL_OFFLOAD, RUNGS
 
 
@@ -22,26 +22,19 @@ class PipelineLoadError(RuntimeError):
 
 
 def place(pipes: Sequence[Any], device: str, rung: str = RUNG_FULL, *, offload_dir: str | None = None) -> str:
-    """Put a model's modules where `rung` says, on `device`; return the rung it runs on.
-
-    `pipes` are the model's pipeline objects, the first the loaded one and the rest made from it
-    with `from_pipe` (they share its modules). The diffusers 0.42 calls:
-    - full: `pipe.to(device)`, which moves the shared modules for all of them.
-    - model_offload: `enable_model_cpu_offload(device=device)` on each pipeline object, since each
-      call of a pipeline ends by offloading the modules its own hooks know.
-    - group_offload: `enable_group_offload` once (the hooks sit on the shared modules), block-level
-      groups of one block, onloaded to `device` from the CPU, prefetched on a CUDA stream when
-      there is one, from `offload_dir` (safetensors files) when given.
-    """
+    """Put a model's pipeline objects (the loaded one first, the rest made from it with `from_pipe`,
+    sharing its modules) where `rung` says, on `device`; return the rung it runs on."""
     import torch
 
     pipe = pipes[0]
     if rung == RUNG_FULL:
-        pipe.to(device)
+        pipe.to(device)  # moves the shared modules for all of them
     elif rung == RUNG_MODEL_OFFLOAD:
-        for each in pipes:
+        for each in pipes:  # each call of a pipeline ends by offloading the modules its own hooks know
             each.enable_model_cpu_offload(device=device)
     elif rung == RUNG_GROUP_OFFLOAD:
+        # Once: the hooks sit on the shared modules. Groups of one block, prefetched on a CUDA stream
+        # when there is one, kept on disk (safetensors files) when `offload_dir` is given.
         cuda = device.startswith("cuda")
         pipe.enable_group_offload(onload_device=torch.device(device), offload_device=torch.device("cpu"),
                                   offload_type="block_level", num_blocks_per_group=1, use_stream=cuda,
@@ -93,7 +86,7 @@ class Modules:
         return [p for p in (self.pipe, self.img2img, self.frames) if p is not None]
 
 
-def read_modules(model: InstalledModel, device: str) -> Modules:
+def read_modules(model: ModelOnDisk, device: str) -> Modules:
     """`<manifest.pipeline>.from_pretrained(source)` on the CPU at `device`'s dtype; img2img (and
     the frames pipeline) through `from_pipe`, sharing its modules."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # weights are installed, never downloaded

@@ -29,7 +29,8 @@ from gpuworker.checkpoints import (
     fingerprint_for,
     restore_scheduler,
 )
-from gpuworker.pipelines import DiffusersPipeline, JobPreempted
+from gpuworker.pipelines import DiffusersPipeline
+from gpuworker.step_hooks import PreemptedAtStep, StepHooks
 
 PROJECT_DIR = Path(__file__).resolve().parents[2]
 TXT2IMG = {"prompt": "a red kite", "width": 64, "height": 64, "steps": 6, "seed": 11, "guidance_scale": 6.0}
@@ -83,12 +84,12 @@ def same_pixels(ours: list[Any], theirs: list[Any]) -> bool:
                                                                                 strict=True))
 
 
-def preempted_at(adapter: DiffusersPipeline, params: dict[str, Any], boundary: int) -> JobPreempted:
+def preempted_at(adapter: DiffusersPipeline, params: dict[str, Any], boundary: int) -> PreemptedAtStep:
     """Run `params` and preempt it at the boundary after `boundary` steps (0: before the first)."""
     done: list[int] = []
-    with pytest.raises(JobPreempted) as raised:
-        adapter.generate(params, on_step=lambda step, steps: done.append(step),
-                         preempt=lambda: len(done) == boundary)
+    hooks = StepHooks(progress=lambda step, steps, preview: done.append(step), preempted=lambda: len(done) == boundary)
+    with pytest.raises(PreemptedAtStep) as raised:
+        adapter.generate(params, hooks=hooks)
     return raised.value
 
 
@@ -103,7 +104,8 @@ def over_the_wire(checkpoint: Checkpoint | None) -> Checkpoint:
 def resumed(adapter: DiffusersPipeline, params: dict[str, Any], checkpoint: Checkpoint,
             ) -> tuple[list[Any], list[tuple[int, int]]]:
     steps_seen: list[tuple[int, int]] = []
-    images = adapter.generate(params, resume=checkpoint, on_step=lambda step, steps: steps_seen.append((step, steps)))
+    hooks = StepHooks(progress=lambda step, steps, preview: steps_seen.append((step, steps)))
+    images = adapter.generate(params, resume=checkpoint, hooks=hooks)
     return images, steps_seen
 
 
@@ -174,7 +176,7 @@ def test_checkpoints_taken_while_a_job_goes_on_change_nothing_and_each_resumes_i
     uninterrupted = adapter.generate(TXT2IMG)
     taken: list[Checkpoint | None] = []
 
-    images = adapter.generate(TXT2IMG, capture=lambda: True, on_checkpoint=taken.append)
+    images = adapter.generate(TXT2IMG, hooks=StepHooks(checkpoint_due=lambda: True, on_checkpoint=taken.append))
 
     assert same_pixels(images, uninterrupted)
     assert [checkpoint.step for checkpoint in taken if checkpoint is not None] == [0, 1, 2, 3, 4, 5, 6]
@@ -189,9 +191,9 @@ def test_a_resumed_job_can_be_preempted_again_and_still_gives_the_uninterrupted_
     first = preempted_at(adapter, TXT2IMG, 2)
     done: list[int] = []
 
-    with pytest.raises(JobPreempted) as second:
-        adapter.generate(TXT2IMG, resume=over_the_wire(first.checkpoint), on_step=lambda step, steps: done.append(step),
-                         preempt=lambda: done[-1:] == [4])
+    hooks = StepHooks(progress=lambda step, steps, preview: done.append(step), preempted=lambda: done[-1:] == [4])
+    with pytest.raises(PreemptedAtStep) as second:
+        adapter.generate(TXT2IMG, resume=over_the_wire(first.checkpoint), hooks=hooks)
     images, steps_seen = resumed(adapter, TXT2IMG, over_the_wire(second.value.checkpoint))
 
     assert (second.value.step, done) == (4, [3, 4])
@@ -261,7 +263,7 @@ def test_a_scheduler_it_cannot_resume_gives_no_checkpoint_and_the_job_is_unchang
     uninterrupted = adapter.generate(TXT2IMG)
     taken: list[Checkpoint | None] = []
 
-    images = adapter.generate(TXT2IMG, capture=lambda: True, on_checkpoint=taken.append)
+    images = adapter.generate(TXT2IMG, hooks=StepHooks(checkpoint_due=lambda: True, on_checkpoint=taken.append))
     preempted = preempted_at(adapter, TXT2IMG, 2)
 
     assert same_pixels(images, uninterrupted)

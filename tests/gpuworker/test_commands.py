@@ -210,7 +210,7 @@ def test_it_refuses_to_start_without_a_usable_token(tmp_path: Path, token_args: 
 def test_it_leaves_torch_and_diffusers_unimported_until_the_worker_starts() -> None:
     code = ("import sys\n"
             "import fleet.management.commands.runworker_gpu, fleet.management.commands.make_tiny_model\n"
-            "import gpuworker.client, gpuworker.main, gpuworker.installed, gpuworker.tiny\n"
+            "import gpuworker.worker, gpuworker.main, gpuworker.installed, gpuworker.tiny\n"
             "import gpuworker.ladder, gpuworker.vram, gpuworker.loading, gpuworker.footprints\n"
             "heavy = sorted(m for m in ('torch', 'diffusers', 'transformers') if m in sys.modules)\n"
             "assert not heavy, heavy\n")

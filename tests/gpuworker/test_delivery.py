@@ -13,7 +13,7 @@ import pytest
 from gpuworker.outbox import Outbox, Outgoing
 from tests.gpuworker.fake_api import WELCOME_SENT, FakeApi
 from tests.gpuworker.support import GatedPipeline, run_async
-from tests.gpuworker.test_client import SMALL_JOB, make_client, running, types_about
+from tests.gpuworker.test_worker import SMALL_JOB, make_worker, running, types_about
 
 ONE_STEP = {**SMALL_JOB, "steps": 1}
 
@@ -44,8 +44,8 @@ def welcome_index(fake: FakeApi, connection: int) -> int:
 def test_a_v2_hello_says_protocol_2_and_lists_the_jobs_it_holds(gated_pipeline: GatedPipeline) -> None:
     async def body() -> None:
         async with FakeApi(protocol=2, auto_ack=False) as fake:
-            client = make_client(fake, {"tiny-sd": gated_pipeline})
-            async with running(client):
+            worker = make_worker(fake, {"tiny-sd": gated_pipeline})
+            async with running(worker):
                 first = await fake.next_message("hello")
                 running_job = await fake.job(SMALL_JOB)
                 waiting_job = await fake.job(SMALL_JOB)
@@ -71,8 +71,8 @@ def test_a_v2_hello_says_protocol_2_and_lists_the_jobs_it_holds(gated_pipeline: 
 def test_it_sends_a_final_message_again_after_a_reconnect_until_it_is_acknowledged(tiny_pipeline: Any) -> None:
     async def body() -> None:
         async with FakeApi(protocol=2, auto_ack=False) as fake:
-            client = make_client(fake, {"tiny-sd": tiny_pipeline})
-            async with running(client):
+            worker = make_worker(fake, {"tiny-sd": tiny_pipeline})
+            async with running(worker):
                 await fake.next_message("hello")
                 job_id = await fake.job(ONE_STEP)
                 first = await fake.next_message("job_result", job_id=job_id)
@@ -82,7 +82,7 @@ def test_it_sends_a_final_message_again_after_a_reconnect_until_it_is_acknowledg
                 again = await fake.next_message("job_result", job_id=job_id, _connection=2)
                 await fake.ack(job_id)
                 await fake.barrier()
-                assert client.unacknowledged == []
+                assert worker.unacknowledged == []
                 await fake.stop()
                 await fake.start()
                 after_ack = await fake.next_message("hello", _connection=3)
@@ -100,8 +100,8 @@ def test_it_sends_a_final_message_again_after_a_reconnect_until_it_is_acknowledg
 def test_it_sends_an_unacknowledged_final_message_every_heartbeat_period(tiny_pipeline: Any) -> None:
     async def body() -> None:
         async with FakeApi(protocol=2, auto_ack=False, heartbeat_seconds=0.05) as fake:
-            client = make_client(fake, {"tiny-sd": tiny_pipeline})
-            async with running(client):
+            worker = make_worker(fake, {"tiny-sd": tiny_pipeline})
+            async with running(worker):
                 await fake.next_message("hello")
                 job_id = await fake.job(ONE_STEP)
                 first = await fake.next_message("job_result", job_id=job_id)
@@ -120,7 +120,7 @@ def test_it_sends_an_unacknowledged_final_message_every_heartbeat_period(tiny_pi
                                   if m["type"] == "heartbeat"]
             assert heartbeats_between  # it went again at a heartbeat, not in a busy loop
             assert len([m for m in fake.about(job_id) if m["type"] == "job_result"]) == sent
-            assert client.unacknowledged == []
+            assert worker.unacknowledged == []
 
     run_async(body())
 
@@ -128,13 +128,13 @@ def test_it_sends_an_unacknowledged_final_message_every_heartbeat_period(tiny_pi
 def test_against_a_v1_api_a_result_is_sent_once_and_forgotten(tiny_pipeline: Any) -> None:
     async def body() -> None:
         async with FakeApi() as fake:  # a v1 API: its welcome has no protocol, and it never acks
-            client = make_client(fake, {"tiny-sd": tiny_pipeline})
-            async with running(client):
+            worker = make_worker(fake, {"tiny-sd": tiny_pipeline})
+            async with running(worker):
                 await fake.next_message("hello")
                 job_id = await fake.job(ONE_STEP)
                 await fake.next_message("job_result", job_id=job_id)
                 await fake.barrier()
-                assert client.protocol == 1 and client.unacknowledged == []
+                assert worker.connection.protocol == 1 and worker.unacknowledged == []
                 await fake.stop()
                 await fake.start()
                 hello = await fake.next_message("hello", _connection=2)
@@ -152,8 +152,8 @@ def test_a_v2_cancel_stops_the_running_job_at_the_next_step_without_decoding(own
 
     async def body() -> None:
         async with FakeApi(protocol=2) as fake:
-            client = make_client(fake, {"tiny-sd": gated})
-            async with running(client):
+            worker = make_worker(fake, {"tiny-sd": gated})
+            async with running(worker):
                 await fake.next_message("hello")
                 job_id = await fake.job({**SMALL_JOB, "steps": 50})
                 await fake.next_message("job_progress", job_id=job_id, step=1)
@@ -168,7 +168,7 @@ def test_a_v2_cancel_stops_the_running_job_at_the_next_step_without_decoding(own
             assert failed["error"] == "cancelled"
             assert types_about(fake, job_id) == ["job_started", "job_progress", "job_failed"]  # step 1 of 50 only
             assert decodes == [1]  # the next job decoded as usual: the pipeline is whole
-            assert client.unacknowledged == []  # the fake acknowledged both
+            assert worker.unacknowledged == []  # the fake acknowledged both
 
     try:
         run_async(body())
@@ -180,8 +180,8 @@ def test_a_v2_cancel_of_a_waiting_job_is_answered_at_once_and_kept_until_acknowl
         gated_pipeline: GatedPipeline) -> None:
     async def body() -> None:
         async with FakeApi(protocol=2, auto_ack=False) as fake:
-            client = make_client(fake, {"tiny-sd": gated_pipeline})
-            async with running(client):
+            worker = make_worker(fake, {"tiny-sd": gated_pipeline})
+            async with running(worker):
                 await fake.next_message("hello")
                 running_job = await fake.job(SMALL_JOB)
                 waiting_job = await fake.job(SMALL_JOB)
@@ -198,7 +198,7 @@ def test_a_v2_cancel_of_a_waiting_job_is_answered_at_once_and_kept_until_acknowl
             assert failed["error"] == again["error"] == "cancelled"
             assert hello["jobs"] == [running_job, waiting_job]
             assert types_about(fake, waiting_job) == ["job_failed", "job_failed"]  # it never started
-            assert client.timings[1].denoise_start is None
+            assert worker.timings[1].denoise_start is None
 
     run_async(body())
 
@@ -207,8 +207,8 @@ def test_it_keeps_at_most_the_capped_number_of_unacknowledged_results(tiny_pipel
                                                                        caplog: pytest.LogCaptureFixture) -> None:
     async def body() -> None:
         async with FakeApi(protocol=2, auto_ack=False) as fake:
-            client = make_client(fake, {"tiny-sd": tiny_pipeline}, outbox=Outbox(max_finals=2))
-            async with running(client):
+            worker = make_worker(fake, {"tiny-sd": tiny_pipeline}, outbox=Outbox(max_finals=2))
+            async with running(worker):
                 await fake.next_message("hello")
                 jobs = [await fake.job(ONE_STEP) for _ in range(4)]
                 for job_id in jobs:
@@ -219,7 +219,7 @@ def test_it_keeps_at_most_the_capped_number_of_unacknowledged_results(tiny_pipel
                 resent = [await fake.next_message("job_result", job_id=job_id, _connection=2) for job_id in jobs[2:]]
                 await fake.barrier()
 
-            assert client.unacknowledged == jobs[2:], (client.unacknowledged, hello["jobs"], jobs)
+            assert worker.unacknowledged == jobs[2:], (worker.unacknowledged, hello["jobs"], jobs)
             assert hello["jobs"] == jobs[2:], (hello["jobs"], jobs)
             assert [m["job_id"] for m in fake.received if m["type"] == "job_result" and m["_connection"] == 2] == [
                 m["job_id"] for m in resent]
@@ -232,17 +232,17 @@ def test_it_keeps_at_most_the_capped_number_of_unacknowledged_results(tiny_pipel
 def test_it_keeps_timings_of_the_latest_jobs_only(tiny_pipeline: Any) -> None:
     async def body() -> None:
         async with FakeApi(protocol=2) as fake:
-            client = make_client(fake, {"tiny-sd": tiny_pipeline}, keep_timings=3)
-            async with running(client):
+            worker = make_worker(fake, {"tiny-sd": tiny_pipeline}, keep_timings=3)
+            async with running(worker):
                 await fake.next_message("hello")
                 jobs = []
                 for _ in range(7):
                     jobs.append(await fake.job(ONE_STEP))
                     await fake.next_message("job_result", job_id=jobs[-1])
-                    assert len(client.timings) <= 3
+                    assert len(worker.timings) <= 3
 
-            assert [t.job_id for t in client.timings] == jobs[-3:]
-            assert client.unacknowledged == []
+            assert [t.job_id for t in worker.timings] == jobs[-3:]
+            assert worker.unacknowledged == []
 
     run_async(body())
 

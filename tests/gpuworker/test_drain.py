@@ -12,14 +12,14 @@ from pathlib import Path
 from typing import Any
 
 from gpuworker.checkpoints import Checkpoint
-from gpuworker.client import EXIT_DRAIN_TIMED_OUT, EXIT_DRAINED, EXIT_STOPPED_AT_ONCE
+from gpuworker.drain import EXIT_DRAIN_TIMED_OUT, EXIT_DRAINED, EXIT_STOPPED_AT_ONCE
 from tests.gpuworker import test_preemption as preemption
 from tests.gpuworker.fake_api import FakeApi
 from tests.gpuworker.support import TEST_SECONDS, run_async
-from tests.gpuworker.test_client import make_client, running, types_about
 from tests.gpuworker.test_commands import manage, worker_args
 from tests.gpuworker.test_preemption import JOB_A, JOB_B, resumed_elsewhere
 from tests.gpuworker.test_sessions import TWO_SLOTS
+from tests.gpuworker.test_worker import make_worker, running, types_about
 
 parking, uninterrupted = preemption.parking, preemption.uninterrupted  # the preemption tests' fixtures
 
@@ -30,21 +30,21 @@ def test_a_drain_says_draining_then_gives_back_both_jobs_and_exits_0_once_acknow
 
     async def body() -> None:
         async with FakeApi(protocol=2) as fake:
-            client = make_client(fake, {"tiny-sd": pipeline})
-            async with running(client) as task:
+            worker = make_worker(fake, {"tiny-sd": pipeline})
+            async with running(worker) as task:
                 await fake.next_message("hello")
                 running_job = await fake.job(JOB_A, priority=0, account="k1")
                 waiting_job = await fake.job(JOB_B, priority=0, account="k2")
                 await fake.next_message("job_progress", job_id=running_job, step=2)
                 await fake.barrier()  # both held
 
-                client.terminate()
+                worker.terminate()
 
                 waiting = await fake.next_message("job_preempted", job_id=waiting_job)  # the other still parked
                 pipeline.go_on(JOB_A["prompt"], 2)
                 answer = await fake.next_message("job_preempted", job_id=running_job)
                 await asyncio.wait_for(task, TEST_SECONDS)  # it stops by itself, once acknowledged
-                assert client.exit_status == EXIT_DRAINED and client.unacknowledged == []
+                assert worker.exit_status == EXIT_DRAINED and worker.unacknowledged == []
 
             draining = await fake.next_message("draining")
             assert fake.index_of(draining) < fake.index_of(waiting) < fake.index_of(answer)
@@ -62,18 +62,18 @@ def test_a_drain_says_draining_then_gives_back_both_jobs_and_exits_0_once_acknow
 def test_a_drain_ends_live_sessions_with_session_ended(tiny_pipeline: Any) -> None:
     async def body() -> None:
         async with FakeApi(protocol=2) as fake:
-            client = make_client(fake, {"tiny-sd": tiny_pipeline}, realtime=TWO_SLOTS)
-            async with running(client) as task:
+            worker = make_worker(fake, {"tiny-sd": tiny_pipeline}, realtime=TWO_SLOTS)
+            async with running(worker) as task:
                 await fake.next_message("hello")
                 assert (await fake.session_start("s-1"))["type"] == "session_accepted"  # after the welcome
 
-                client.terminate()
+                worker.terminate()
 
                 ended = await fake.next_message("session_ended", session_id="s-1")
                 await asyncio.wait_for(task, TEST_SECONDS)
 
             assert fake.index_of(await fake.next_message("draining")) < fake.index_of(ended)
-            assert not client.sessions.holds("s-1") and client.exit_status == EXIT_DRAINED
+            assert not worker.sessions.holds("s-1") and worker.exit_status == EXIT_DRAINED
 
     run_async(body())
 
@@ -81,12 +81,12 @@ def test_a_drain_ends_live_sessions_with_session_ended(tiny_pipeline: Any) -> No
 def test_a_job_sent_during_the_drain_is_given_back_at_once(tiny_pipeline: Any) -> None:
     async def body() -> None:
         async with FakeApi(protocol=2, auto_ack=False) as fake:
-            client = make_client(fake, {"tiny-sd": tiny_pipeline})
-            async with running(client) as task:
+            worker = make_worker(fake, {"tiny-sd": tiny_pipeline})
+            async with running(worker) as task:
                 await fake.next_message("hello")
                 done = await fake.job(JOB_B)
                 await fake.next_message("job_result", job_id=done)  # not acknowledged yet: the drain waits
-                client.terminate()
+                worker.terminate()
                 await fake.next_message("draining")
                 late = await fake.job(JOB_B)  # crossed our `draining` on the wire
 
@@ -97,7 +97,7 @@ def test_a_job_sent_during_the_drain_is_given_back_at_once(tiny_pipeline: Any) -
 
             # It may have begun its first step meanwhile: given back at the first boundary, never run out.
             assert answer["step"] < answer["steps"] and "job_result" not in types_about(fake, late)
-            assert client.exit_status == EXIT_DRAINED
+            assert worker.exit_status == EXIT_DRAINED
 
     run_async(body())
 
@@ -105,16 +105,16 @@ def test_a_job_sent_during_the_drain_is_given_back_at_once(tiny_pipeline: Any) -
 def test_a_drain_whose_answers_are_not_acknowledged_exits_1_at_its_deadline(tiny_pipeline: Any) -> None:
     async def body() -> None:
         async with FakeApi(protocol=2, auto_ack=False) as fake:
-            client = make_client(fake, {"tiny-sd": tiny_pipeline}, drain_seconds=0.5)
-            async with running(client) as task:
+            worker = make_worker(fake, {"tiny-sd": tiny_pipeline}, drain_seconds=0.5)
+            async with running(worker) as task:
                 await fake.next_message("hello")
                 job_id = await fake.job(JOB_B)
                 await fake.next_message("job_result", job_id=job_id)  # never acknowledged
 
-                client.terminate()
+                worker.terminate()
                 await asyncio.wait_for(task, TEST_SECONDS)
 
-            assert client.exit_status == EXIT_DRAIN_TIMED_OUT and client.unacknowledged == [job_id]
+            assert worker.exit_status == EXIT_DRAIN_TIMED_OUT and worker.unacknowledged == [job_id]
 
     run_async(body())
 
@@ -124,19 +124,19 @@ def test_a_second_terminate_during_the_drain_stops_at_once_with_status_2(parking
 
     async def body() -> None:
         async with FakeApi(protocol=2, auto_ack=False) as fake:
-            client = make_client(fake, {"tiny-sd": pipeline}, drain_seconds=10 * TEST_SECONDS)
-            async with running(client) as task:
+            worker = make_worker(fake, {"tiny-sd": pipeline}, drain_seconds=10 * TEST_SECONDS)
+            async with running(worker) as task:
                 await fake.next_message("hello")
                 job_id = await fake.job(JOB_A)
                 await fake.next_message("job_progress", job_id=job_id, step=1)
-                client.terminate()
+                worker.terminate()
                 await fake.next_message("draining")
 
-                client.terminate()  # the drain would wait far longer for job_ack than this test runs
+                worker.terminate()  # the drain would wait far longer for job_ack than this test runs
                 pipeline.go_on(JOB_A["prompt"], 1)
                 await asyncio.wait_for(task, TEST_SECONDS)
 
-            assert client.exit_status == EXIT_STOPPED_AT_ONCE
+            assert worker.exit_status == EXIT_STOPPED_AT_ONCE
 
     run_async(body())
 

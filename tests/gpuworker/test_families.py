@@ -1,4 +1,4 @@
-"""Model families on the worker (PROTOCOL.md "Model families"): the tiny SDXL and SD3 pipelines that
+"""Model families on the worker (docs/protocol.md, "Model families"): the tiny SDXL and SD3 pipelines that
 make_tiny_model writes run through the same paths as SD: jobs and img2img, every rung the CPU has,
 realtime frames, checkpoints resumed to the uninterrupted pixels, and footprints read from files."""
 from __future__ import annotations
@@ -11,20 +11,23 @@ from typing import Any
 import numpy as np
 import pytest
 
+from gpuworker.families import family_of
 from gpuworker.footprints import block_groups, pipeline_footprint
-from gpuworker.installed import InstalledModel, discover_models
+from gpuworker.inputs import ParamsRefused
+from gpuworker.installed import ModelOnDisk, discover_models
 from gpuworker.jobs import encode_png_b64
 from gpuworker.loading import load_pipelines, measure_step_ms, realtime_capacity
-from gpuworker.main import WorkerOptions, build_client
+from gpuworker.main import WorkerOptions, build_worker
 from gpuworker.models_on_demand import InstalledCatalog, needs_mib
-from gpuworker.pipelines import DiffusersPipeline, FrameRequest, InvalidParams, family_of
+from gpuworker.pipelines import DiffusersPipeline, FrameRequest
+from gpuworker.step_hooks import StepHooks
 from gpuworker.tiny import make_tiny_model, tiny_manifest
 from potocolom.protocol.manifests import ManifestError, parse_manifest
 from potocolom.protocol.rungs import RUNG_FULL, RUNG_GROUP_OFFLOAD, RUNG_MODEL_OFFLOAD, RUNGS
 from tests.gpuworker.fake_api import FakeApi
 from tests.gpuworker.support import run_async
 from tests.gpuworker.test_checkpoints import IMG2IMG, TXT2IMG, over_the_wire, pixels, preempted_at, same_pixels
-from tests.gpuworker.test_client import make_client, running
+from tests.gpuworker.test_worker import make_worker, running
 
 FAMILIES = ("sdxl", "sd3")
 DENOISER = {"sdxl": "unet", "sd3": "transformer"}
@@ -33,7 +36,7 @@ SHORT_IMG2IMG = {**IMG2IMG, "steps": 4}  # strength 0.5: runs 2 steps
 
 
 @pytest.fixture(scope="module")
-def family_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, InstalledModel]:
+def family_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, ModelOnDisk]:
     """Each family's tiny model, written by make_tiny_model into a models dir of its own."""
     models = {}
     for family in FAMILIES:
@@ -44,7 +47,7 @@ def family_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Install
 
 
 @pytest.fixture(scope="module")
-def full_pipelines(family_models: dict[str, InstalledModel]) -> dict[str, DiffusersPipeline]:
+def full_pipelines(family_models: dict[str, ModelOnDisk]) -> dict[str, DiffusersPipeline]:
     return {family: DiffusersPipeline.load(model, "cpu") for family, model in family_models.items()}
 
 
@@ -73,7 +76,7 @@ def frames(pipeline: DiffusersPipeline, count: int = 2) -> list[np.ndarray]:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_make_tiny_model_writes_a_pipeline_of_the_family_with_its_manifest(
-        family_models: dict[str, InstalledModel], full_pipelines: dict[str, DiffusersPipeline], family: str) -> None:
+        family_models: dict[str, ModelOnDisk], full_pipelines: dict[str, DiffusersPipeline], family: str) -> None:
     model = family_models[family]
     written = json.loads(model.manifest_path.read_text())
 
@@ -105,7 +108,8 @@ def test_a_job_and_an_img2img_job_give_images_of_the_asked_size(full_pipelines: 
     pipeline = full_pipelines[family]
     steps: list[tuple[int, int]] = []
 
-    (txt2img,) = pipeline.generate(SHORT_TXT2IMG, on_step=lambda step, total: steps.append((step, total)))
+    (txt2img,) = pipeline.generate(SHORT_TXT2IMG, hooks=StepHooks(
+        progress=lambda step, total, preview: steps.append((step, total))))
     (img2img,) = pipeline.generate(SHORT_IMG2IMG)
 
     assert steps == [(1, 3), (2, 3), (3, 3)]
@@ -116,7 +120,7 @@ def test_a_job_and_an_img2img_job_give_images_of_the_asked_size(full_pipelines: 
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("rung", [RUNG_MODEL_OFFLOAD, RUNG_GROUP_OFFLOAD])
-def test_every_rung_gives_the_pixels_of_full_residency(family_models: dict[str, InstalledModel],
+def test_every_rung_gives_the_pixels_of_full_residency(family_models: dict[str, ModelOnDisk],
                                                        full_pipelines: dict[str, DiffusersPipeline], family: str,
                                                        rung: str) -> None:
     full = full_pipelines[family]
@@ -155,7 +159,8 @@ def test_a_job_resumed_from_its_checkpoint_gives_the_uninterrupted_pixels(
     stopped = preempted_at(pipeline, params, boundary)
     checkpoint = over_the_wire(stopped.checkpoint)
     seen: list[tuple[int, int]] = []
-    images = pipeline.generate(params, resume=checkpoint, on_step=lambda step, steps: seen.append((step, steps)))
+    images = pipeline.generate(params, resume=checkpoint, hooks=StepHooks(
+        progress=lambda step, steps, preview: seen.append((step, steps))))
 
     assert stopped.step == boundary
     assert same_pixels(images, uninterrupted)
@@ -164,7 +169,7 @@ def test_a_job_resumed_from_its_checkpoint_gives_the_uninterrupted_pixels(
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_job_resumed_on_a_lower_rung_gives_the_uninterrupted_pixels(
-        family_models: dict[str, InstalledModel], full_pipelines: dict[str, DiffusersPipeline], family: str) -> None:
+        family_models: dict[str, ModelOnDisk], full_pipelines: dict[str, DiffusersPipeline], family: str) -> None:
     full = full_pipelines[family]
     checkpoint = over_the_wire(preempted_at(full, SHORT_TXT2IMG, 2).checkpoint)
     pipeline = DiffusersPipeline.load(family_models[family], "cpu", RUNG_FULL)
@@ -178,7 +183,7 @@ def test_a_job_resumed_on_a_lower_rung_gives_the_uninterrupted_pixels(
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_footprint_counts_every_encoder_the_denoiser_and_the_vae(
-        family_models: dict[str, InstalledModel], full_pipelines: dict[str, DiffusersPipeline], family: str) -> None:
+        family_models: dict[str, ModelOnDisk], full_pipelines: dict[str, DiffusersPipeline], family: str) -> None:
     model, pipeline = family_models[family], full_pipelines[family]
     footprint = pipeline_footprint(model.model_id, pipeline.pipe, model.params_schema)
     by_name = {c.name: c for c in footprint.components}
@@ -194,7 +199,7 @@ def test_the_footprint_counts_every_encoder_the_denoiser_and_the_vae(
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_installed_needs_read_from_the_saved_files_match_the_loaded_model(
-        family_models: dict[str, InstalledModel], full_pipelines: dict[str, DiffusersPipeline], family: str) -> None:
+        family_models: dict[str, ModelOnDisk], full_pipelines: dict[str, DiffusersPipeline], family: str) -> None:
     model, pipeline = family_models[family], full_pipelines[family]
     catalog = InstalledCatalog.read([model], dtype_bytes=4, max_side=512)
 
@@ -208,7 +213,7 @@ def test_installed_needs_read_from_the_saved_files_match_the_loaded_model(
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_loaded_by_the_ladder_it_has_a_step_time_and_realtime_slots(family_models: dict[str, InstalledModel],
+def test_loaded_by_the_ladder_it_has_a_step_time_and_realtime_slots(family_models: dict[str, ModelOnDisk],
                                                                     family: str) -> None:
     model = family_models[family]
     loaded = load_pipelines([model], "cpu")
@@ -231,7 +236,7 @@ def test_the_worker_runs_a_job_and_a_resumed_order_to_the_uninterrupted_image(
 
     async def body() -> None:
         async with FakeApi(protocol=2) as fake:
-            async with running(make_client(fake, {model_id: pipeline})):
+            async with running(make_worker(fake, {model_id: pipeline})):
                 await fake.next_message("hello")
                 fresh = await fake.job(SHORT_TXT2IMG, model_id=model_id, priority=0, account="k1")
                 first = await fake.next_message("job_result", job_id=fresh)
@@ -246,17 +251,17 @@ def test_the_worker_runs_a_job_and_a_resumed_order_to_the_uninterrupted_image(
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_placement_loads_a_family_model_serves_it_and_unloads_it(family_models: dict[str, InstalledModel],
+def test_placement_loads_a_family_model_serves_it_and_unloads_it(family_models: dict[str, ModelOnDisk],
                                                                  family: str) -> None:
     model = family_models[family]
     root = model.manifest_path.parent.parent  # the models dir make_tiny_model wrote into
 
     async def body() -> None:
         async with FakeApi(protocol=2) as fake:
-            client = build_client(WorkerOptions(api=fake.url, token="secret", models_dir=root, device="cpu",
+            worker = build_worker(WorkerOptions(api=fake.url, token="secret", models_dir=root, device="cpu",
                                                 worker_id="families:0", realtime=False, memory_mode="auto",
                                                 preload=[], vram_mib=4000))
-            async with running(client):
+            async with running(worker):
                 hello = await fake.next_message("hello")
                 await fake.send({"type": "load_model", "model_id": model.model_id, "rung": RUNG_GROUP_OFFLOAD})
                 loaded = await fake.next_message("model_loaded", model_id=model.model_id)
@@ -269,7 +274,7 @@ def test_placement_loads_a_family_model_serves_it_and_unloads_it(family_models: 
         assert installed["model_id"] == model.model_id and set(installed["needs_mib"]) == set(RUNGS)
         assert loaded["rung"] == result["rung"] == RUNG_GROUP_OFFLOAD and result["images"]
         assert unloaded["gpu"] == hello["gpu"]  # every byte back
-        assert model.model_id not in client.pipelines
+        assert model.model_id not in worker.pipelines
 
     run_async(body())
 
@@ -288,6 +293,6 @@ def test_an_sd3_size_must_be_a_multiple_of_its_latent_patch(full_pipelines: dict
     pipe = diffusers.StableDiffusion3Pipeline(**{**tiny.pipe.components, "transformer": transformer})
     coarse = DiffusersPipeline(model, pipe, None, "cpu", RUNG_FULL)  # scale 2 x patch 8: 16
 
-    with pytest.raises(InvalidParams, match="width must be a multiple of 16, got 72"):
+    with pytest.raises(ParamsRefused, match="width must be a multiple of 16, got 72"):
         coarse.check_inputs({"prompt": "a kite", "width": 72, "height": 64})
     assert coarse.check_inputs({"prompt": "a kite", "width": 80, "height": 64}).width == 80

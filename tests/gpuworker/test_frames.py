@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from gpuworker.frames import (
-    Frame,
     FrameQueue,
     FrameRunner,
+    QueuedFrame,
     SessionParams,
     active_sessions,
     batch_limits,
@@ -23,7 +23,8 @@ from gpuworker.frames import (
     gather_window,
     group_frames,
 )
-from gpuworker.pipelines import FrameRequest, InvalidParams
+from gpuworker.inputs import ParamsRefused
+from gpuworker.pipelines import FrameRequest
 from gpuworker.sessions import LiveSession, SessionTable, frame_of, session_params
 from gpuworker.slots import RealtimeCapacity
 from potocolom.protocol.errors import MessageError
@@ -44,8 +45,8 @@ def png_b64(rgb: tuple[int, int, int], size: tuple[int, int] = (64, 64)) -> str:
 
 
 def frame(session: str, seq: int = 1, *, model: str = "m", params: SessionParams = DEFAULT,
-          strength: float = 1.0, image: str = "") -> Frame:
-    return Frame(session_id=session, seq=seq, model_id=model, params=params, prompt=f"{session} {seq}",
+          strength: float = 1.0, image: str = "") -> QueuedFrame:
+    return QueuedFrame(session_id=session, seq=seq, model_id=model, params=params, prompt=f"{session} {seq}",
                  strength=strength, image=base64.b64decode(image))
 
 
@@ -69,7 +70,7 @@ def test_it_gives_each_strength_the_denoising_steps_diffusers_would(steps: int) 
     ([frame("a", 1), frame("b", 1), frame("a", 2)], {"m": 4}, [["a2", "b1"]]),  # the newest frame of a
     ([], {"m": 4}, []),
 ])
-def test_it_groups_compatible_frames_into_batches(frames: list[Frame], max_batch: dict[str, int],
+def test_it_groups_compatible_frames_into_batches(frames: list[QueuedFrame], max_batch: dict[str, int],
                                                   expected: list[list[str]]) -> None:
     batches = group_frames(frames, max_batch)
 
@@ -288,7 +289,7 @@ def test_it_fills_in_the_session_defaults_and_checks_params_with_the_pipeline(ti
     chosen = session_params({"width": 128, "steps": 4, "seed": 7, "extra": 1}, CAPACITY, tiny_pipeline, rng)
     assert chosen == SessionParams(width=128, height=64, steps=4, guidance_scale=7.5, seed=7)
     for bad in ({"width": "64"}, {"width": 64.0}, {"steps": True}, {"width": 100}, {"steps": 0}, [1]):
-        with pytest.raises(InvalidParams):
+        with pytest.raises(ParamsRefused):
             session_params(bad, CAPACITY, tiny_pipeline, rng)
 
 

@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 
+from gpuworker.inputs import ParamsRefused, decode_image
 from gpuworker.limits import Limits
-from gpuworker.pipelines import InvalidParams, decode_image
 from tests.gpuworker.fake_api import FakeApi
 from tests.gpuworker.support import GatedPipeline, run_async
-from tests.gpuworker.test_client import SMALL_JOB, make_client, running
 from tests.gpuworker.test_sessions import BLUE, RED, TWO_SLOTS, park_in_a_job
+from tests.gpuworker.test_worker import SMALL_JOB, make_worker, running
 from tests.potocolom.protocol.test_images import png_declaring
 
 BOMB = base64.b64encode(png_declaring(60_000, 60_000)).decode()  # 3.6 gigapixels in a few dozen bytes
@@ -45,14 +45,14 @@ def test_it_decodes_the_three_formats_with_or_without_a_data_url(fmt: str) -> No
     (3, "init_image must be a base64 string"),
 ])
 def test_it_refuses_images_it_would_not_decode(value: Any, error: str) -> None:
-    with pytest.raises(InvalidParams, match=error):
+    with pytest.raises(ParamsRefused, match=error):
         decode_image(value, max_pixels=4096)
 
 
 def test_a_job_whose_init_image_is_a_bomb_fails_with_a_clear_error(tiny_pipeline: Any) -> None:
     async def body() -> None:
         async with FakeApi() as fake:
-            async with running(make_client(fake, {"tiny-sd": tiny_pipeline})):
+            async with running(make_worker(fake, {"tiny-sd": tiny_pipeline})):
                 await fake.next_message("hello")
                 bomb_job = await fake.job({**SMALL_JOB, "init_image": BOMB, "strength": 1.0})
                 gif_job = await fake.job({**SMALL_JOB, "init_image": encoded("GIF"), "strength": 1.0})
@@ -71,7 +71,7 @@ def test_a_bomb_frame_is_dropped_without_holding_up_other_sessions(gated_pipelin
                                                                    caplog: pytest.LogCaptureFixture) -> None:
     async def body() -> None:
         async with FakeApi() as fake:
-            async with running(make_client(fake, {"tiny-sd": gated_pipeline}, realtime=TWO_SLOTS)):
+            async with running(make_worker(fake, {"tiny-sd": gated_pipeline}, realtime=TWO_SLOTS)):
                 await fake.next_message("hello")
                 for session_id in ("s-1", "s-2"):
                     assert (await fake.session_start(session_id))["type"] == "session_accepted"
@@ -98,9 +98,9 @@ def test_max_image_pixels_from_the_environment_caps_frames(gated_pipeline: Gated
                                                            caplog: pytest.LogCaptureFixture) -> None:
     async def body() -> None:
         async with FakeApi() as fake:
-            client = make_client(fake, {"tiny-sd": gated_pipeline}, realtime=TWO_SLOTS,
+            worker = make_worker(fake, {"tiny-sd": gated_pipeline}, realtime=TWO_SLOTS,
                                  limits=Limits.from_env({"MAX_IMAGE_PIXELS": "1000"}))
-            async with running(client):
+            async with running(worker):
                 await fake.next_message("hello")
                 assert (await fake.session_start("s-1"))["type"] == "session_accepted"
                 gated_pipeline.gate.set()

@@ -12,11 +12,12 @@ from typing import Any
 import pytest
 
 from gpuworker.footprints import pipeline_footprint
-from gpuworker.frames import Frame, FrameRunner, SessionParams
-from gpuworker.installed import InstalledModel, discover_models
+from gpuworker.frames import FrameRunner, QueuedFrame, SessionParams
+from gpuworker.inputs import ParamsRefused
+from gpuworker.installed import ModelOnDisk, discover_models
 from gpuworker.limits import Limits, allowed_maximum
 from gpuworker.loading import load_pipelines
-from gpuworker.pipelines import DiffusersPipeline, InvalidParams
+from gpuworker.pipelines import DiffusersPipeline
 from tests.gpuworker.support import TEST_SECONDS
 from tests.gpuworker.test_sessions import RED
 
@@ -26,7 +27,7 @@ NO_MAXIMUM = {"type": "object", "required": ["prompt"], "properties": {
 
 
 @pytest.fixture(scope="module")
-def unbounded_model(models_dir: Path) -> InstalledModel:
+def unbounded_model(models_dir: Path) -> ModelOnDisk:
     """The tiny model under a schema that sets no maximum for width, height or steps."""
     (model,) = discover_models(models_dir)
     return dataclasses.replace(model, params_schema=NO_MAXIMUM)
@@ -54,7 +55,7 @@ def test_the_largest_allowed_value_is_the_schemas_or_the_cap(spec: Any, expected
 
 
 def test_the_memory_estimate_covers_max_image_side_when_the_schema_sets_no_maximum(
-        tiny_pipeline: Any, unbounded_model: InstalledModel) -> None:
+        tiny_pipeline: Any, unbounded_model: ModelOnDisk) -> None:
     pipe, model_id = tiny_pipeline.pipe, unbounded_model.model_id
     unbounded = pipeline_footprint(model_id, pipe, NO_MAXIMUM)
     capped = pipeline_footprint(model_id, pipe, NO_MAXIMUM, max_side=256)
@@ -68,14 +69,14 @@ def test_the_memory_estimate_covers_max_image_side_when_the_schema_sets_no_maxim
 
 
 def test_a_job_over_max_image_side_or_max_steps_is_refused_where_the_schema_sets_no_maximum(
-        tiny_pipeline: Any, unbounded_model: InstalledModel) -> None:
+        tiny_pipeline: Any, unbounded_model: ModelOnDisk) -> None:
     pipeline = DiffusersPipeline(unbounded_model, tiny_pipeline.pipe, tiny_pipeline.img2img, "cpu", "full",
                                  limits=Limits(max_image_side=256, max_steps=10))
 
     assert pipeline.check_inputs({"prompt": "p", "width": 256, "height": 64, "steps": 10}).width == 256
-    with pytest.raises(InvalidParams, match="width must be between 8 and 256, got 264"):
+    with pytest.raises(ParamsRefused, match="width must be between 8 and 256, got 264"):
         pipeline.check_inputs({"prompt": "p", "width": 264})
-    with pytest.raises(InvalidParams, match="steps must be between 1 and 10, got 11"):
+    with pytest.raises(ParamsRefused, match="steps must be between 1 and 10, got 11"):
         pipeline.check_inputs({"prompt": "p", "steps": 11})
     assert pipeline.check_inputs({"prompt": "p"}).steps == 10  # the default, within the cap
     # A schema's own maximum wins over the cap (the tiny manifest allows 50 steps).
@@ -97,7 +98,7 @@ def test_a_frame_runner_keeps_only_its_latest_batches(tiny_pipeline: Any) -> Non
     params = SessionParams(width=64, height=64, steps=1, guidance_scale=7.5, seed=1)
     try:
         for seq in range(1, 6):
-            runner.queue.put(Frame("s-1", seq, "tiny-sd", params, "a sketch", 1.0, base64.b64decode(RED)))
+            runner.queue.put(QueuedFrame("s-1", seq, "tiny-sd", params, "a sketch", 1.0, base64.b64decode(RED)))
             assert runner.run_pending() == 1
             assert len(runner.runs) <= 2
         with each_posted:

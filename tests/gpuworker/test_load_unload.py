@@ -18,19 +18,20 @@ from typing import Any
 import pytest
 
 from gpuworker.footprints import saved_footprint
-from gpuworker.installed import InstalledModel, discover_models
+from gpuworker.installed import ModelOnDisk, discover_models
 from gpuworker.ladder import MIB, ComponentFootprint, Footprint, Placed
-from gpuworker.main import WorkerOptions, build_client
+from gpuworker.main import WorkerOptions, build_worker
 from gpuworker.models_on_demand import InstalledCatalog, LoadRefused, ModelsOnDemand, needs_mib, rung_for_load
-from gpuworker.pipelines import DiffusersPipeline, Modules, read_modules
+from gpuworker.pipelines import DiffusersPipeline
 from gpuworker.tiny import tiny_manifest
 from gpuworker.vram import VramBudget
+from gpuworker.weights import Modules, read_modules
 from potocolom.protocol.rungs import RUNGS
 from tests.gpuworker.fake_api import FakeApi
 from tests.gpuworker.support import TEST_SECONDS, run_async
-from tests.gpuworker.test_client import SMALL_JOB, make_client, running
 from tests.gpuworker.test_commands import manage
 from tests.gpuworker.test_sessions import RED, TWO_SLOTS
+from tests.gpuworker.test_worker import SMALL_JOB, make_worker, running
 
 FLOAT32_BYTES = 4  # the tiny model's weights on CPU
 
@@ -51,7 +52,7 @@ def options(fake: FakeApi, models_dir: Path, **chosen: Any) -> WorkerOptions:
                             "worker_id": "load-test:0", "realtime": False, "memory_mode": "auto", **chosen})
 
 
-def needs_rounded_up(model: InstalledModel) -> dict[str, int]:
+def needs_rounded_up(model: ModelOnDisk) -> dict[str, int]:
     """What the ladder says the model needs on each rung, alone on the device, in MiB rounded up."""
     footprint = saved_footprint(model.model_id, model.source, model.params_schema, dtype_bytes=FLOAT32_BYTES,
                                 max_side=512)
@@ -61,8 +62,8 @@ def needs_rounded_up(model: InstalledModel) -> dict[str, int]:
 def test_with_preload_none_it_loads_nothing_and_says_what_it_has_installed(two_models: Path) -> None:
     async def body() -> None:
         async with FakeApi(protocol=2) as fake:
-            client = build_client(options(fake, two_models, preload=[], vram_mib=1000))
-            async with running(client):
+            worker = build_worker(options(fake, two_models, preload=[], vram_mib=1000))
+            async with running(worker):
                 hello = await fake.next_message("hello")
 
         a, b = discover_models(two_models)
@@ -77,13 +78,13 @@ def test_with_preload_none_it_loads_nothing_and_says_what_it_has_installed(two_m
 def test_it_loads_a_model_serves_it_and_unloads_it_giving_every_byte_back(two_models: Path) -> None:
     async def body() -> None:
         async with FakeApi(protocol=2) as fake:
-            client = build_client(options(fake, two_models, preload=[], vram_mib=1000))
-            async with running(client):
+            worker = build_worker(options(fake, two_models, preload=[], vram_mib=1000))
+            async with running(worker):
                 hello = await fake.next_message("hello")
                 await fake.send({"type": "load_model", "model_id": "tiny-a"})
                 loaded = await fake.next_message("model_loaded", model_id="tiny-a")
-                weights = client.pipelines["tiny-a"].footprint.weights_bytes
-                unet = weakref.ref(client.pipelines["tiny-a"].pipe.unet)
+                weights = worker.pipelines["tiny-a"].footprint.weights_bytes
+                unet = weakref.ref(worker.pipelines["tiny-a"].pipe.unet)
                 served = await fake.job(SMALL_JOB, model_id="tiny-a")
                 result = await fake.next_message("job_result", job_id=served)
 
@@ -103,7 +104,7 @@ def test_it_loads_a_model_serves_it_and_unloads_it_giving_every_byte_back(two_mo
         assert unloaded["gpu"] == again["gpu"] == hello["gpu"]  # every byte back
         assert unet() is None  # nothing holds the model's modules any more
         assert failed["error"] == "model 'tiny-a' is not served by this worker"
-        assert "tiny-a" not in client.pipelines
+        assert "tiny-a" not in worker.pipelines
 
     run_async(body())
 
@@ -112,8 +113,8 @@ def test_a_model_loaded_again_keeps_its_step_time_and_slots_without_measuring_th
         two_models: Path, caplog: pytest.LogCaptureFixture) -> None:
     async def body() -> None:
         async with FakeApi(protocol=2) as fake:
-            client = build_client(options(fake, two_models, preload=[], vram_mib=1000, realtime=True))
-            async with running(client):
+            worker = build_worker(options(fake, two_models, preload=[], vram_mib=1000, realtime=True))
+            async with running(worker):
                 await fake.next_message("hello")
                 answers = []
                 for _ in range(2):
@@ -142,8 +143,8 @@ def test_a_preloaded_model_loaded_again_keeps_what_was_measured_at_start(
         two_models: Path, caplog: pytest.LogCaptureFixture) -> None:
     async def body() -> None:
         async with FakeApi(protocol=2) as fake:
-            client = build_client(options(fake, two_models, preload=["tiny-a"], vram_mib=1000, realtime=True))
-            async with running(client):
+            worker = build_worker(options(fake, two_models, preload=["tiny-a"], vram_mib=1000, realtime=True))
+            async with running(worker):
                 hello = await fake.next_message("hello")
                 await fake.send({"type": "unload_model", "model_id": "tiny-a"})
                 await fake.next_message("model_unloaded", model_id="tiny-a")
@@ -164,8 +165,8 @@ def test_a_load_that_does_not_fit_fails_with_why_and_the_worker_serves_on(two_mo
     async def body() -> None:
         async with FakeApi(protocol=2) as fake:
             # 556 MiB: tiny-a fits (553 MiB on full), and tiny-b beside it on no rung.
-            client = build_client(options(fake, two_models, preload=["tiny-a"], vram_mib=556))
-            async with running(client):
+            worker = build_worker(options(fake, two_models, preload=["tiny-a"], vram_mib=556))
+            async with running(worker):
                 hello = await fake.next_message("hello")
                 await fake.send({"type": "load_model", "model_id": "tiny-b", "rung": "full"})
                 on_full = await fake.next_message("model_load_failed", model_id="tiny-b")
@@ -184,7 +185,7 @@ def test_a_load_that_does_not_fit_fails_with_why_and_the_worker_serves_on(two_mo
         assert anywhere["error"].startswith("tiny-b fits on no rung: 548 MiB free; full needs 552 MiB")
         assert missing["error"] == "model not-installed is not installed on this worker"
         assert on_full["gpu"] == anywhere["gpu"] == missing["gpu"] == hello["gpu"]  # nothing held by a failed load
-        assert result["rung"] == "full" and "tiny-b" not in client.pipelines
+        assert result["rung"] == "full" and "tiny-b" not in worker.pipelines
 
     run_async(body())
 
@@ -192,7 +193,7 @@ def test_a_load_that_does_not_fit_fails_with_why_and_the_worker_serves_on(two_mo
 def test_frames_of_a_live_session_run_while_another_model_loads(two_models: Path, tiny_pipeline: Any) -> None:
     reading, go_on = threading.Event(), threading.Event()
 
-    def held_read(model: InstalledModel, device: str) -> Modules:
+    def held_read(model: ModelOnDisk, device: str) -> Modules:
         reading.set()
         if not go_on.wait(TEST_SECONDS):
             raise TimeoutError("the test never let the load go on")
@@ -203,8 +204,8 @@ def test_frames_of_a_live_session_run_while_another_model_loads(two_models: Path
 
     async def body() -> None:
         async with FakeApi(protocol=2) as fake:
-            client = make_client(fake, {"tiny-sd": tiny_pipeline}, realtime=TWO_SLOTS, on_demand=on_demand)
-            async with running(client):
+            worker = make_worker(fake, {"tiny-sd": tiny_pipeline}, realtime=TWO_SLOTS, on_demand=on_demand)
+            async with running(worker):
                 await fake.next_message("hello")
                 assert (await fake.session_start("s-1"))["type"] == "session_accepted"
                 await fake.send({"type": "load_model", "model_id": "tiny-b"})
@@ -235,8 +236,8 @@ def test_an_unload_waits_for_the_last_session_and_takes_no_new_work_meanwhile(mo
 
     async def body() -> None:
         async with FakeApi(protocol=2) as fake:
-            client = make_client(fake, {"tiny-sd": pipeline}, realtime=TWO_SLOTS, on_demand=on_demand)
-            async with running(client):
+            worker = make_worker(fake, {"tiny-sd": pipeline}, realtime=TWO_SLOTS, on_demand=on_demand)
+            async with running(worker):
                 await fake.next_message("hello")
                 assert (await fake.session_start("s-1"))["type"] == "session_accepted"
                 await fake.send({"type": "unload_model", "model_id": "tiny-sd"})
@@ -252,7 +253,7 @@ def test_an_unload_waits_for_the_last_session_and_takes_no_new_work_meanwhile(mo
 
         assert refused["type"] == "session_refused" and frame["seq"] == 1 and unloaded_meanwhile == []
         assert failed["error"] == "model 'tiny-sd' is not served by this worker"
-        assert unloaded["gpu"] is None and client.pipelines == {} and pipeline.pipe is None
+        assert unloaded["gpu"] is None and worker.pipelines == {} and pipeline.pipe is None
 
     run_async(body())
 

@@ -14,19 +14,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gpuworker.installed import InstalledModel, discover_models
+from gpuworker.installed import ModelOnDisk, discover_models
 from gpuworker.pipelines import DiffusersPipeline, InjectedOutOfMemory
 from gpuworker.slots import RealtimeCapacity
 from potocolom.protocol.rungs import RUNG_FULL, RUNG_GROUP_OFFLOAD, RUNG_MODEL_OFFLOAD
 from tests.gpuworker.fake_api import FakeApi
 from tests.gpuworker.support import run_async
-from tests.gpuworker.test_client import SMALL_JOB, make_client, running
+from tests.gpuworker.test_worker import SMALL_JOB, make_worker, running
 
 ONE_SLOT = RealtimeCapacity(frame_ms_p95=150.0, slots=1, width=64, height=64, steps=2, measured={})
 
 
 @pytest.fixture(scope="module")
-def tiny_model(models_dir: Path) -> InstalledModel:
+def tiny_model(models_dir: Path) -> ModelOnDisk:
     (model,) = discover_models(models_dir)
     return model
 
@@ -45,20 +45,20 @@ def png_pixels(b64: str) -> np.ndarray:
         return np.asarray(image.convert("RGB"))
 
 
-def loaded(model: InstalledModel, rung: str = RUNG_FULL, ooms: int = 0) -> DiffusersPipeline:
+def loaded(model: ModelOnDisk, rung: str = RUNG_FULL, ooms: int = 0) -> DiffusersPipeline:
     """A fresh tiny pipeline whose next `ooms` job calls run out of memory."""
     return DiffusersPipeline.load(model, "cpu", rung, fault=InjectedOutOfMemory({model.model_id: ooms}))
 
 
 def test_it_moves_the_model_down_reloads_it_retries_the_job_and_says_rung_changed(
-        tiny_model: InstalledModel, expected_png_pixels: np.ndarray) -> None:
+        tiny_model: ModelOnDisk, expected_png_pixels: np.ndarray) -> None:
     pipeline = loaded(tiny_model, ooms=1)
     other = loaded(replace(tiny_model, model_id="tiny-b"))
 
     async def body() -> None:
         async with FakeApi() as fake:
-            client = make_client(fake, {"tiny-sd": pipeline, "tiny-b": other})
-            async with running(client):
+            worker = make_worker(fake, {"tiny-sd": pipeline, "tiny-b": other})
+            async with running(worker):
                 await fake.next_message("hello")
                 job_id = await fake.job(SMALL_JOB)
                 changed = await fake.next_message("rung_changed")
@@ -75,19 +75,19 @@ def test_it_moves_the_model_down_reloads_it_retries_the_job_and_says_rung_change
             assert pipeline.rung == RUNG_MODEL_OFFLOAD
             # The other model was never touched, and ran on.
             assert other.rung == RUNG_FULL and other_result["rung"] == "full"
-            assert client.hello_message()["models"][0]["rung"] == "model_offload"
-            assert client.timings[0].rung == "model_offload" and client.timings[0].outcome == "succeeded"
-            assert "on rung model_offload, gpu" in client.timings[0].summary()
+            assert worker.hello_message()["models"][0]["rung"] == "model_offload"
+            assert worker.timings[0].rung == "model_offload" and worker.timings[0].outcome == "succeeded"
+            assert "on rung model_offload, gpu" in worker.timings[0].summary()
 
     run_async(body())
 
 
-def test_a_second_out_of_memory_error_on_the_retry_fails_the_job(tiny_model: InstalledModel) -> None:
+def test_a_second_out_of_memory_error_on_the_retry_fails_the_job(tiny_model: ModelOnDisk) -> None:
     pipeline = loaded(tiny_model, ooms=2)
 
     async def body() -> None:
         async with FakeApi() as fake:
-            async with running(make_client(fake, {"tiny-sd": pipeline})):
+            async with running(make_worker(fake, {"tiny-sd": pipeline})):
                 await fake.next_message("hello")
                 job_id = await fake.job(SMALL_JOB)
                 failed = await fake.next_message("job_failed", job_id=job_id)
@@ -102,13 +102,13 @@ def test_a_second_out_of_memory_error_on_the_retry_fails_the_job(tiny_model: Ins
 
 
 @pytest.mark.parametrize("mode", [RUNG_FULL, RUNG_MODEL_OFFLOAD, RUNG_GROUP_OFFLOAD])
-def test_a_pinned_rung_never_moves_and_the_job_fails_with_a_clear_error(tiny_model: InstalledModel,
+def test_a_pinned_rung_never_moves_and_the_job_fails_with_a_clear_error(tiny_model: ModelOnDisk,
                                                                          mode: str) -> None:
     pipeline = loaded(tiny_model, mode, ooms=1)
 
     async def body() -> None:
         async with FakeApi() as fake:
-            async with running(make_client(fake, {"tiny-sd": pipeline}, memory_mode=mode)):
+            async with running(make_worker(fake, {"tiny-sd": pipeline}, memory_mode=mode)):
                 await fake.next_message("hello")
                 job_id = await fake.job(SMALL_JOB)
                 failed = await fake.next_message("job_failed", job_id=job_id)
@@ -123,12 +123,12 @@ def test_a_pinned_rung_never_moves_and_the_job_fails_with_a_clear_error(tiny_mod
     run_async(body())
 
 
-def test_on_the_lowest_rung_an_out_of_memory_error_fails_the_job(tiny_model: InstalledModel) -> None:
+def test_on_the_lowest_rung_an_out_of_memory_error_fails_the_job(tiny_model: ModelOnDisk) -> None:
     pipeline = loaded(tiny_model, RUNG_GROUP_OFFLOAD, ooms=1)
 
     async def body() -> None:
         async with FakeApi() as fake:
-            async with running(make_client(fake, {"tiny-sd": pipeline})):
+            async with running(make_worker(fake, {"tiny-sd": pipeline})):
                 await fake.next_message("hello")
                 job_id = await fake.job(SMALL_JOB)
                 failed = await fake.next_message("job_failed", job_id=job_id)
@@ -139,13 +139,13 @@ def test_on_the_lowest_rung_an_out_of_memory_error_fails_the_job(tiny_model: Ins
     run_async(body())
 
 
-def test_leaving_full_residency_ends_the_models_live_sessions_and_its_realtime(tiny_model: InstalledModel) -> None:
+def test_leaving_full_residency_ends_the_models_live_sessions_and_its_realtime(tiny_model: ModelOnDisk) -> None:
     pipeline = loaded(tiny_model, ooms=1)
 
     async def body() -> None:
         async with FakeApi() as fake:
-            client = make_client(fake, {"tiny-sd": pipeline}, realtime={"tiny-sd": ONE_SLOT})
-            async with running(client):
+            worker = make_worker(fake, {"tiny-sd": pipeline}, realtime={"tiny-sd": ONE_SLOT})
+            async with running(worker):
                 hello = await fake.next_message("hello")
                 live = str(uuid.uuid4())
                 assert (await fake.session_start(live))["type"] == "session_accepted"
@@ -155,7 +155,7 @@ def test_leaving_full_residency_ends_the_models_live_sessions_and_its_realtime(t
 
             assert hello["models"][0]["realtime"] is True
             assert (changed["rung"], changed["realtime"], changed["realtime_slots"]) == ("model_offload", False, 0)
-            assert not client.sessions.holds(live)
+            assert not worker.sessions.holds(live)
             assert later["type"] == "session_refused" and "no realtime slots" in later["reason"]
 
     run_async(body())

@@ -9,8 +9,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from gpuworker.installed import InstalledModel
-from gpuworker.pipelines import DiffusersPipeline, InvalidParams, JobCancelled
+from gpuworker.inputs import ParamsRefused
+from gpuworker.installed import ModelOnDisk
+from gpuworker.pipelines import DiffusersPipeline
+from gpuworker.step_hooks import JobCancelled, StepHooks
 
 
 def png_data_url(width: int, height: int, rgb: tuple[int, int, int]) -> str:
@@ -53,7 +55,8 @@ def test_it_returns_img2img_images_of_exactly_the_requested_size(tiny_pipeline: 
     params = {"prompt": "a blue square", "init_image": png_data_url(40, 24, (10, 20, 200)),
               "width": 64, "height": 128, "steps": 4, "strength": 0.5, "seed": 7}
 
-    images = tiny_pipeline.generate(params, on_step=lambda step, steps: steps_seen.append((step, steps)))
+    images = tiny_pipeline.generate(params, hooks=StepHooks(
+        progress=lambda step, steps, preview: steps_seen.append((step, steps))))
 
     assert [image.size for image in images] == [(64, 128)]
     assert steps_seen == [(1, 2), (2, 2)]  # img2img runs int(steps x strength) steps
@@ -71,9 +74,9 @@ def test_it_reports_each_step_and_stops_when_asked(tiny_pipeline: DiffusersPipel
     steps_seen: list[tuple[int, int]] = []
 
     with pytest.raises(JobCancelled):
-        tiny_pipeline.generate({"prompt": "p", "steps": 5, "seed": 1},
-                               on_step=lambda step, steps: steps_seen.append((step, steps)),
-                               should_stop=lambda: len(steps_seen) >= 2)
+        tiny_pipeline.generate({"prompt": "p", "steps": 5, "seed": 1}, hooks=StepHooks(
+            progress=lambda step, steps, preview: steps_seen.append((step, steps)),
+            cancelled=lambda: len(steps_seen) >= 2))
 
     assert steps_seen == [(1, 5), (2, 5)]  # interrupted after step 2: no more steps ran
 
@@ -96,7 +99,7 @@ def test_it_reports_each_step_and_stops_when_asked(tiny_pipeline: DiffusersPipel
     (["prompt"], "JSON object"),
 ])
 def test_it_rejects_bad_params(tiny_pipeline: DiffusersPipeline, params: Any, message: str) -> None:
-    with pytest.raises(InvalidParams, match=message):
+    with pytest.raises(ParamsRefused, match=message):
         tiny_pipeline.check_inputs(params)
 
 
@@ -108,20 +111,20 @@ def test_it_rejects_bad_params(tiny_pipeline: DiffusersPipeline, params: Any, me
 ])
 def test_it_rejects_what_the_pipeline_cannot_run_even_when_the_schema_allows_it(
         tiny_pipeline: DiffusersPipeline, params: Any, message: str) -> None:
-    permissive = InstalledModel(model_id="open", pipeline="StableDiffusionPipeline", source="x",
+    permissive = ModelOnDisk(model_id="open", pipeline="StableDiffusionPipeline", source="x",
                                 manifest_path=Path("x"), capabilities=("txt2img", "img2img"))
     adapter = DiffusersPipeline(permissive, tiny_pipeline.pipe, tiny_pipeline.img2img, "cpu", "full")
 
-    with pytest.raises(InvalidParams, match=message):
+    with pytest.raises(ParamsRefused, match=message):
         adapter.check_inputs(params)
 
 
 def test_it_refuses_img2img_for_a_model_without_it(tiny_pipeline: DiffusersPipeline) -> None:
-    txt2img_only = InstalledModel(model_id="t", pipeline="StableDiffusionPipeline", source="x",
+    txt2img_only = ModelOnDisk(model_id="t", pipeline="StableDiffusionPipeline", source="x",
                                   manifest_path=Path("x"), capabilities=("txt2img",))
     adapter = DiffusersPipeline(txt2img_only, tiny_pipeline.pipe, None, "cpu", "full")
 
-    with pytest.raises(InvalidParams, match="does not do img2img"):
+    with pytest.raises(ParamsRefused, match="does not do img2img"):
         adapter.check_inputs({"prompt": "p", "init_image": png_data_url(8, 8, (1, 2, 3))})
 
 

@@ -13,9 +13,10 @@ import pytest
 
 from gpuworker.checkpoints import Checkpoint
 from gpuworker.jobs import encode_png_b64
+from gpuworker.step_hooks import PreemptedAtStep, StepHooks
 from tests.gpuworker.fake_api import FakeApi
-from tests.gpuworker.support import TEST_SECONDS, run_async
-from tests.gpuworker.test_client import make_client, running, types_about
+from tests.gpuworker.support import TEST_SECONDS, around_progress, run_async
+from tests.gpuworker.test_worker import make_worker, running, types_about
 
 JOB_A = {"prompt": "a blue square", "width": 64, "height": 64, "steps": 4, "seed": 5}
 JOB_B = {"prompt": "a green triangle", "width": 64, "height": 64, "steps": 2, "seed": 8}
@@ -37,15 +38,13 @@ class ParkingPipeline:
         for park in self.parks.values():
             park.set()
 
-    def generate(self, params: Any, *, on_step: Any = None, **rest: Any) -> Any:
-        def step(index: int, steps: int) -> None:
-            if on_step is not None:
-                on_step(index, steps)
-            park = self.parks.get((params["prompt"], index))
+    def generate(self, params: Any, *, hooks: StepHooks | None = None, resume: Any = None) -> Any:
+        def park(step: int, steps: int) -> None:
+            park = self.parks.get((params["prompt"], step))
             if park is not None and not park.wait(TEST_SECONDS):
                 raise TimeoutError("the test never let the job go on")
 
-        return self.inner.generate(params, on_step=step, **rest)
+        return self.inner.generate(params, hooks=around_progress(hooks, after=park), resume=resume)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -73,13 +72,11 @@ class ClockedPipeline:
     def __init__(self, inner: Any, clock: SteppingClock, seconds_per_step: float):
         self.inner, self.rung, self.clock, self.seconds_per_step = inner, inner.rung, clock, seconds_per_step
 
-    def generate(self, params: Any, *, on_step: Any = None, **rest: Any) -> Any:
-        def step(index: int, steps: int) -> None:
+    def generate(self, params: Any, *, hooks: StepHooks | None = None, resume: Any = None) -> Any:
+        def tick(step: int, steps: int) -> None:
             self.clock.advance(self.seconds_per_step)
-            if on_step is not None:
-                on_step(index, steps)
 
-        return self.inner.generate(params, on_step=step, **rest)
+        return self.inner.generate(params, hooks=around_progress(hooks, before=tick), resume=resume)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -120,7 +117,7 @@ def resumed_elsewhere(tiny_pipeline: Any, job_id: str, params: dict[str, Any], r
     """Run the order `job` with `resume` on a fresh worker; (its job_result, the messages about it)."""
     async def body() -> tuple[dict[str, Any], list[dict[str, Any]]]:
         async with FakeApi(protocol=2) as fake:
-            async with running(make_client(fake, {"tiny-sd": tiny_pipeline})):
+            async with running(make_worker(fake, {"tiny-sd": tiny_pipeline})):
                 await fake.next_message("hello")
                 await fake.job(params, job_id=job_id, priority=0, account="k1", resume=resume)
                 result = await fake.next_message("job_result", job_id=job_id)
@@ -137,8 +134,8 @@ def test_a_preempted_running_job_answers_with_its_checkpoint_and_resumes_elsewhe
 
     async def body() -> None:
         async with FakeApi(protocol=2) as fake:
-            client = make_client(fake, {"tiny-sd": pipeline})
-            async with running(client):
+            worker = make_worker(fake, {"tiny-sd": pipeline})
+            async with running(worker):
                 await fake.next_message("hello")
                 job_id = await fake.job(JOB_A, priority=0, account="k1")
                 await fake.next_message("job_progress", job_id=job_id, step=2)
@@ -147,12 +144,12 @@ def test_a_preempted_running_job_answers_with_its_checkpoint_and_resumes_elsewhe
                 pipeline.go_on(JOB_A["prompt"], 2)
                 answer = await fake.next_message("job_preempted", job_id=job_id)
                 await fake.barrier()
-                assert client.unacknowledged == [] and job_id not in client.hello_message()["jobs"]
+                assert worker.unacknowledged == [] and job_id not in worker.hello_message()["jobs"]
 
             assert (answer["step"], answer["steps"]) == (2, 4)
             assert types_about(fake, job_id) == ["job_started", "job_progress", "job_progress", "job_preempted"]
             assert Checkpoint.from_base64(answer["checkpoint"]).step == 2
-            assert client.timings[0].outcome == "preempted"
+            assert worker.timings[0].outcome == "preempted"
 
             result, messages = await resumed_elsewhere(tiny_pipeline, job_id, JOB_A,
                                                        {"step": 2, "checkpoint": answer["checkpoint"]})
@@ -168,8 +165,8 @@ def test_a_job_preempted_before_it_started_answers_step_0_without_a_checkpoint_a
 
     async def body() -> None:
         async with FakeApi(protocol=2) as fake:
-            client = make_client(fake, {"tiny-sd": pipeline})
-            async with running(client):
+            worker = make_worker(fake, {"tiny-sd": pipeline})
+            async with running(worker):
                 await fake.next_message("hello")
                 running_job = await fake.job(JOB_A)
                 waiting_job = await fake.job(JOB_B)
@@ -183,7 +180,7 @@ def test_a_job_preempted_before_it_started_answers_step_0_without_a_checkpoint_a
             assert answer == {"type": "job_preempted", "job_id": waiting_job, "step": 0, "steps": 2,
                               "checkpoint": None, "_connection": 1}
             assert types_about(fake, waiting_job) == ["job_preempted"]  # it never started
-            assert client.timings[1].denoise_start is None
+            assert worker.timings[1].denoise_start is None
 
     run_async(body())
 
@@ -193,8 +190,8 @@ def test_a_job_preempted_is_sent_again_after_a_reconnect_until_it_is_acknowledge
 
     async def body() -> None:
         async with FakeApi(protocol=2, auto_ack=False) as fake:
-            client = make_client(fake, {"tiny-sd": pipeline})
-            async with running(client):
+            worker = make_worker(fake, {"tiny-sd": pipeline})
+            async with running(worker):
                 await fake.next_message("hello")
                 running_job = await fake.job(JOB_A)
                 waiting_job = await fake.job(JOB_B)
@@ -210,7 +207,7 @@ def test_a_job_preempted_is_sent_again_after_a_reconnect_until_it_is_acknowledge
                 await fake.next_message("job_result", job_id=running_job)
                 await fake.ack(running_job)
                 await fake.barrier()
-                assert client.unacknowledged == []
+                assert worker.unacknowledged == []
 
             assert waiting_job in hello["jobs"]
             assert {k: v for k, v in again.items() if k != "_connection"} == {
@@ -225,12 +222,10 @@ def test_a_job_preempted_is_sent_again_after_a_reconnect_until_it_is_acknowledge
 def test_a_resume_it_cannot_use_restarts_the_job_from_step_0_and_never_fails_it(
         tiny_pipeline: Any, uninterrupted: Any, checkpoint: str) -> None:
     if checkpoint == "other-params":  # a real checkpoint, of a job of another size
-        from gpuworker.pipelines import JobPreempted
-
         done: list[int] = []
-        with pytest.raises(JobPreempted) as other:
-            tiny_pipeline.generate({**JOB_A, "width": 128}, on_step=lambda step, steps: done.append(step),
-                                   preempt=lambda: len(done) == 1)
+        hooks = StepHooks(progress=lambda step, steps, preview: done.append(step), preempted=lambda: len(done) == 1)
+        with pytest.raises(PreemptedAtStep) as other:
+            tiny_pipeline.generate({**JOB_A, "width": 128}, hooks=hooks)
         assert other.value.checkpoint is not None
         checkpoint = other.value.checkpoint.to_base64()
 
@@ -255,8 +250,8 @@ def test_a_higher_priority_job_of_the_same_account_overtakes_the_running_one_at_
 
     async def body() -> None:
         async with FakeApi(protocol=2) as fake:
-            client = make_client(fake, {"tiny-sd": pipeline})
-            async with running(client):
+            worker = make_worker(fake, {"tiny-sd": pipeline})
+            async with running(worker):
                 await fake.next_message("hello")
                 a = await fake.job(JOB_A, **first)
                 await fake.next_message("job_progress", job_id=a, step=1)
@@ -277,7 +272,7 @@ def test_a_higher_priority_job_of_the_same_account_overtakes_the_running_one_at_
             else:  # b began once a's denoising ended (a's image is encoded beside b's first steps)
                 a_step_4 = next(m for m in fake.about(a) if m.get("step") == 4)
                 assert fake.index_of(a_step_4) < b_started
-            assert [t.outcome for t in client.timings] == ["succeeded", "succeeded"]
+            assert [t.outcome for t in worker.timings] == ["succeeded", "succeeded"]
 
     run_async(body())
 
@@ -288,7 +283,7 @@ def test_a_job_set_aside_for_another_answers_preempt_at_once_with_the_checkpoint
 
     async def body() -> None:
         async with FakeApi(protocol=2) as fake:
-            async with running(make_client(fake, {"tiny-sd": pipeline})):
+            async with running(make_worker(fake, {"tiny-sd": pipeline})):
                 await fake.next_message("hello")
                 a = await fake.job(JOB_A, account="k1", priority=0)
                 await fake.next_message("job_progress", job_id=a, step=1)
@@ -316,8 +311,8 @@ def test_a_job_set_aside_for_another_that_is_cancelled_is_answered_at_once(parki
 
     async def body() -> None:
         async with FakeApi(protocol=2) as fake:
-            client = make_client(fake, {"tiny-sd": pipeline})
-            async with running(client):
+            worker = make_worker(fake, {"tiny-sd": pipeline})
+            async with running(worker):
                 await fake.next_message("hello")
                 a = await fake.job(JOB_A, priority=0)
                 await fake.next_message("job_progress", job_id=a, step=1)
@@ -333,7 +328,7 @@ def test_a_job_set_aside_for_another_that_is_cancelled_is_answered_at_once(parki
 
             assert failed["error"] == "cancelled"
             assert steps_of(fake, a) == [1]
-            assert client.unacknowledged == []
+            assert worker.unacknowledged == []
 
     run_async(body())
 
@@ -347,8 +342,8 @@ def test_a_running_job_sends_its_checkpoint_at_the_first_step_boundary_after_eac
 
     async def body() -> None:
         async with FakeApi(protocol=2, checkpoint_seconds=5) as fake:
-            client = make_client(fake, {"tiny-sd": ClockedPipeline(tiny_pipeline, clock, 3.0)}, clock=clock)
-            async with running(client):
+            worker = make_worker(fake, {"tiny-sd": ClockedPipeline(tiny_pipeline, clock, 3.0)}, clock=clock)
+            async with running(worker):
                 await fake.next_message("hello")
                 job_id = await fake.job(params)
                 await fake.next_message("job_result", job_id=job_id)
@@ -373,7 +368,7 @@ def test_the_running_time_before_a_job_was_set_aside_counts_towards_its_next_che
 
     async def body() -> None:
         async with FakeApi(protocol=2, checkpoint_seconds=5) as fake:
-            async with running(make_client(fake, {"tiny-sd": pipeline}, clock=clock)):
+            async with running(make_worker(fake, {"tiny-sd": pipeline}, clock=clock)):
                 await fake.next_message("hello")
                 a = await fake.job(params, account="k1", priority=0)
                 await fake.next_message("job_progress", job_id=a, step=1)
@@ -399,8 +394,8 @@ def test_no_job_checkpoint_is_sent_without_a_v2_checkpoint_period(tiny_pipeline:
 
     async def body() -> None:
         async with FakeApi(protocol=protocol, checkpoint_seconds=seconds) as fake:
-            client = make_client(fake, {"tiny-sd": ClockedPipeline(tiny_pipeline, clock, 60.0)}, clock=clock)
-            async with running(client):
+            worker = make_worker(fake, {"tiny-sd": ClockedPipeline(tiny_pipeline, clock, 60.0)}, clock=clock)
+            async with running(worker):
                 await fake.next_message("hello")
                 job_id = await fake.job(JOB_A)
                 await fake.next_message("job_result", job_id=job_id)

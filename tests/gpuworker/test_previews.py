@@ -1,10 +1,11 @@
-"""Job previews (docs/protocol.md "For the people who use it", Previews): the per-family latent map
+"""Job previews (docs/protocol.md, "Previews" under "Worker → API"): the per-family latent map
 and, against an in-process fake API, the previews a real job on the tiny model sends in job_progress."""
 from __future__ import annotations
 
 import base64
 import io
 import logging
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -12,9 +13,10 @@ import pytest
 import torch
 
 from gpuworker.previews import MAPS, MAX_SIDE, PreviewRefused, latents_to_rgb, preview_b64, preview_size
+from gpuworker.step_hooks import StepHooks
 from tests.gpuworker.fake_api import FakeApi
 from tests.gpuworker.support import run_async
-from tests.gpuworker.test_client import make_client, running
+from tests.gpuworker.test_worker import make_worker, running
 
 JOB = {"prompt": "a small red circle", "width": 128, "height": 64, "steps": 5, "seed": 3}
 CHANNELS = {"sd": 4, "sdxl": 4, "sd3": 16}
@@ -87,7 +89,7 @@ def progress_of(fake: FakeApi, job_id: str) -> list[dict[str, Any]]:
 def test_a_job_sends_a_preview_at_most_every_preview_steps_as_a_jpeg(tiny_pipeline: Any) -> None:
     async def body() -> None:
         async with FakeApi(protocol=2, preview_steps=2) as fake:
-            async with running(make_client(fake, {"tiny-sd": tiny_pipeline})):
+            async with running(make_worker(fake, {"tiny-sd": tiny_pipeline})):
                 await fake.next_message("hello")
                 job_id = await fake.job(JOB)
                 await fake.next_message("job_result", job_id=job_id)
@@ -109,7 +111,7 @@ def test_no_previews_with_preview_steps_0_or_a_v1_welcome(tiny_pipeline: Any, pr
     async def body() -> None:
         # The v1 case: preview_steps in a welcome without `protocol` means nothing (a v1 API has no previews).
         async with FakeApi(protocol=protocol, preview_steps=preview_steps) as fake:
-            async with running(make_client(fake, {"tiny-sd": tiny_pipeline})):
+            async with running(make_worker(fake, {"tiny-sd": tiny_pipeline})):
                 await fake.next_message("hello")
                 job_id = await fake.job({**JOB, "steps": 2})
                 await fake.next_message("job_result", job_id=job_id)
@@ -122,7 +124,7 @@ def test_no_previews_with_preview_steps_0_or_a_v1_welcome(tiny_pipeline: Any, pr
 
 
 class OddLatents:
-    """The real pipeline, whose latents hook is handed latents of no family's shape (3 channels):
+    """The real pipeline, whose preview hook is handed latents of no family's shape (3 channels):
     every preview of them fails."""
 
     def __init__(self, inner: Any):
@@ -130,12 +132,17 @@ class OddLatents:
         self.rung = inner.rung
         self.seen = 0
 
-    def generate(self, params: Any, *, on_latents: Any = None, **rest: Any) -> Any:
-        def odd(step: int, steps: int, latents: Any) -> None:
-            self.seen += 1
-            on_latents(step, steps, latents[:, :3])
+    def generate(self, params: Any, *, hooks: StepHooks | None = None, resume: Any = None) -> Any:
+        hooks = hooks or StepHooks()
+        preview = hooks.preview
 
-        return self.inner.generate(params, on_latents=odd if on_latents is not None else None, **rest)
+        def odd(step: int, steps: int, latents: Any) -> str | None:
+            assert preview is not None
+            self.seen += 1
+            return preview(step, steps, latents[:, :3])
+
+        return self.inner.generate(params, hooks=replace(hooks, preview=odd if preview is not None else None),
+                                   resume=resume)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -147,7 +154,7 @@ def test_a_failing_preview_is_logged_once_and_the_job_goes_on_without_previews(
 
     async def body() -> None:
         async with FakeApi(protocol=2, preview_steps=1) as fake:
-            async with running(make_client(fake, {"tiny-sd": odd})):
+            async with running(make_worker(fake, {"tiny-sd": odd})):
                 await fake.next_message("hello")
                 job_id = await fake.job({**JOB, "steps": 3})
                 result = await fake.next_message("job_result", job_id=job_id)
@@ -181,15 +188,15 @@ def test_the_tiny_sdxl_and_sd3_models_latents_preview_by_their_own_family(
     shapes: list[tuple[int, ...]] = []
     sizes: list[tuple[int, int]] = []
 
-    def see(step: int, steps: int, latents: Any) -> None:
+    def see(step: int, steps: int, latents: Any) -> str | None:
         shapes.append(tuple(latents.shape))
-        previews.see(step, steps, latents)
-        preview = previews.take()
+        preview = previews.preview(step, steps, latents)
         assert preview is not None
         sizes.append(jpeg_size(preview))
+        return preview
 
     pipeline.generate({"prompt": "a small red circle", "width": 64, "height": 64, "steps": 2, "seed": 3},
-                      on_latents=see)
+                      hooks=StepHooks(preview=see))
     scale = pipeline.pipe.vae_scale_factor
     assert [shape[1] for shape in shapes] == [channels, channels]
     assert sizes == [(64 // scale, 64 // scale)] * 2

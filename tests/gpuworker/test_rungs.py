@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 
 from gpuworker.footprints import block_groups, pipeline_footprint, safetensors_bytes
-from gpuworker.installed import InstalledModel, discover_models
+from gpuworker.installed import ModelOnDisk, discover_models
 from gpuworker.ladder import MIB
 from gpuworker.loading import load_pipelines
-from gpuworker.pipelines import DiffusersPipeline, FrameRequest, read_modules
+from gpuworker.pipelines import DiffusersPipeline, FrameRequest
 from gpuworker.vram import VramBudget
+from gpuworker.weights import read_modules
 from potocolom.protocol.rungs import RUNG_FULL, RUNG_GROUP_OFFLOAD, RUNG_MODEL_OFFLOAD
 from tests.gpuworker.test_pipelines import png_data_url
 
@@ -40,7 +41,7 @@ def frame_pixels(pipeline: Any) -> list[np.ndarray]:
 
 
 @pytest.fixture(scope="module")
-def tiny_model(models_dir: Path) -> InstalledModel:
+def tiny_model(models_dir: Path) -> ModelOnDisk:
     (model,) = discover_models(models_dir)
     return model
 
@@ -53,7 +54,7 @@ def full_pixels(tiny_pipeline: DiffusersPipeline) -> dict[str, list[np.ndarray]]
 
 @pytest.mark.parametrize(("rung", "on_disk"), [(RUNG_MODEL_OFFLOAD, False), (RUNG_GROUP_OFFLOAD, False),
                                                (RUNG_GROUP_OFFLOAD, True)])
-def test_every_rung_gives_the_pixels_of_full_residency(tiny_model: InstalledModel, full_pixels: dict[str, Any],
+def test_every_rung_gives_the_pixels_of_full_residency(tiny_model: ModelOnDisk, full_pixels: dict[str, Any],
                                                        rung: str, on_disk: bool, tmp_path: Path) -> None:
     offload_dir = str(tmp_path / "groups") if on_disk else None
     pipeline = DiffusersPipeline.load(tiny_model, "cpu", rung, offload_dir=offload_dir)
@@ -68,9 +69,9 @@ def test_every_rung_gives_the_pixels_of_full_residency(tiny_model: InstalledMode
 
 
 @pytest.mark.parametrize("rung", [RUNG_FULL, RUNG_MODEL_OFFLOAD, RUNG_GROUP_OFFLOAD])
-def test_a_job_stopped_at_a_step_boundary_leaves_the_rung_whole(tiny_model: InstalledModel,
+def test_a_job_stopped_at_a_step_boundary_leaves_the_rung_whole(tiny_model: ModelOnDisk,
                                                                  full_pixels: dict[str, Any], rung: str) -> None:
-    from gpuworker.pipelines import JobCancelled
+    from gpuworker.step_hooks import JobCancelled, StepHooks
 
     pipeline = DiffusersPipeline.load(tiny_model, "cpu", rung)
     steps: list[int] = []
@@ -78,8 +79,8 @@ def test_a_job_stopped_at_a_step_boundary_leaves_the_rung_whole(tiny_model: Inst
     handle = pipeline.pipe.vae.decoder.register_forward_pre_hook(lambda module, args: decodes.append(1))
     try:
         with pytest.raises(JobCancelled):
-            pipeline.generate({**TXT2IMG, "steps": 20}, on_step=lambda step, total: steps.append(step),
-                              should_stop=lambda: len(steps) >= 2)
+            pipeline.generate({**TXT2IMG, "steps": 20}, hooks=StepHooks(
+                progress=lambda step, total, preview: steps.append(step), cancelled=lambda: len(steps) >= 2))
         assert steps == [1, 2] and decodes == []  # left after step 2 of 20, nothing decoded
         # The hooks were put back as a finished call leaves them: the next job is as on full.
         assert all(np.array_equal(a, b) for a, b in zip(pixels(pipeline, TXT2IMG), full_pixels["txt2img"],
@@ -89,7 +90,7 @@ def test_a_job_stopped_at_a_step_boundary_leaves_the_rung_whole(tiny_model: Inst
         handle.remove()
 
 
-def test_the_footprint_is_measured_from_the_loaded_modules(tiny_model: InstalledModel, models_dir: Path) -> None:
+def test_the_footprint_is_measured_from_the_loaded_modules(tiny_model: ModelOnDisk, models_dir: Path) -> None:
     modules = read_modules(tiny_model, "cpu")
     footprint = pipeline_footprint(tiny_model.model_id, modules.pipe, tiny_model.params_schema)
     pipe = modules.pipe
@@ -105,7 +106,7 @@ def test_the_footprint_is_measured_from_the_loaded_modules(tiny_model: Installed
     assert footprint.working_bytes > 64 * MIB + 512 * 512 * 32 * 4
 
 
-def test_block_groups_are_the_groups_diffusers_makes(tiny_model: InstalledModel) -> None:
+def test_block_groups_are_the_groups_diffusers_makes(tiny_model: ModelOnDisk) -> None:
     modules = read_modules(tiny_model, "cpu")
     expected = {name: block_groups(module) for name, module in modules.pipe.components.items()
                 if hasattr(module, "parameters")}
@@ -134,7 +135,7 @@ def test_block_groups_are_the_groups_diffusers_makes(tiny_model: InstalledModel)
 
 
 def test_moving_down_frees_the_old_modules_and_reloads_on_the_new_rung(
-        tiny_model: InstalledModel, full_pixels: dict[str, Any]) -> None:
+        tiny_model: ModelOnDisk, full_pixels: dict[str, Any]) -> None:
     pipeline = DiffusersPipeline.load(tiny_model, "cpu")
     old_unet = weakref.ref(pipeline.pipe.unet)
 
@@ -151,12 +152,12 @@ def test_moving_down_frees_the_old_modules_and_reloads_on_the_new_rung(
     assert all(np.array_equal(a, b) for a, b in zip(pixels(pipeline, IMG2IMG), full_pixels["img2img"], strict=True))
 
 
-def tiny_twin(model: InstalledModel, model_id: str) -> InstalledModel:
+def tiny_twin(model: ModelOnDisk, model_id: str) -> ModelOnDisk:
     return replace(model, model_id=model_id)
 
 
 def test_at_load_a_budget_keeps_the_first_model_resident_and_offloads_the_next(
-        tiny_model: InstalledModel, caplog: pytest.LogCaptureFixture) -> None:
+        tiny_model: ModelOnDisk, caplog: pytest.LogCaptureFixture) -> None:
     modules = read_modules(tiny_model, "cpu")
     footprint = pipeline_footprint(tiny_model.model_id, modules.pipe, tiny_model.params_schema)
     # Room for one resident copy and, beside it, the other one offloaded; not for two resident.
@@ -176,7 +177,7 @@ def test_at_load_a_budget_keeps_the_first_model_resident_and_offloads_the_next(
 
 
 def test_a_model_that_fits_on_no_rung_is_not_served_and_the_log_says_why(
-        tiny_model: InstalledModel, caplog: pytest.LogCaptureFixture) -> None:
+        tiny_model: ModelOnDisk, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="gpuworker.loading"):
         loaded = load_pipelines([tiny_model], "cpu", budget=VramBudget("cpu", 8))
 
@@ -186,7 +187,7 @@ def test_a_model_that_fits_on_no_rung_is_not_served_and_the_log_says_why(
 
 
 @pytest.mark.parametrize("mode", [RUNG_FULL, RUNG_MODEL_OFFLOAD, RUNG_GROUP_OFFLOAD])
-def test_a_pinned_mode_places_every_model_on_its_rung_or_not_at_all(tiny_model: InstalledModel, mode: str) -> None:
+def test_a_pinned_mode_places_every_model_on_its_rung_or_not_at_all(tiny_model: ModelOnDisk, mode: str) -> None:
     roomy = load_pipelines([tiny_model], "cpu", mode=mode, budget=VramBudget("cpu", 10_000))
     unbudgeted = load_pipelines([tiny_model], "cpu", mode=mode)
     short = load_pipelines([tiny_model], "cpu", mode=mode, budget=VramBudget("cpu", 100))
@@ -195,7 +196,7 @@ def test_a_pinned_mode_places_every_model_on_its_rung_or_not_at_all(tiny_model: 
     assert short.pipelines == {} and "pinned by MEMORY_MODE" in short.refused["tiny-sd"]
 
 
-def test_without_cuda_or_a_budget_every_model_runs_as_on_full_residency(tiny_model: InstalledModel) -> None:
+def test_without_cuda_or_a_budget_every_model_runs_as_on_full_residency(tiny_model: ModelOnDisk) -> None:
     budget = VramBudget("cpu")
     loaded = load_pipelines([tiny_model, tiny_twin(tiny_model, "tiny-b")], "cpu", budget=budget)
 

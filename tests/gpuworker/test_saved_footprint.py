@@ -8,20 +8,20 @@ from pathlib import Path
 import pytest
 
 from gpuworker.footprints import block_group_of, pipeline_footprint, saved_footprint
-from gpuworker.installed import InstalledModel, discover_models
+from gpuworker.installed import ModelOnDisk, discover_models
 from potocolom.protocol.rungs import RUNGS
 
 LOAD_TIME_BUFFERS_BYTES = 1024  # e.g. CLIP's position_ids: made by the model, not saved
 
 
 @pytest.fixture(scope="module")
-def tiny(models_dir: Path) -> InstalledModel:
+def tiny(models_dir: Path) -> ModelOnDisk:
     (model,) = discover_models(models_dir)
     return model
 
 
 @pytest.mark.parametrize("dtype_name", ["float32", "float16"])
-def test_the_saved_footprint_is_the_loaded_one(tiny: InstalledModel, dtype_name: str) -> None:
+def test_the_saved_footprint_is_the_loaded_one(tiny: ModelOnDisk, dtype_name: str) -> None:
     import diffusers
     import torch
 
@@ -44,7 +44,7 @@ def test_the_saved_footprint_is_the_loaded_one(tiny: InstalledModel, dtype_name:
         assert 0 <= loaded.needs(rung) - saved.needs(rung) <= LOAD_TIME_BUFFERS_BYTES, rung
 
 
-def test_half_precision_halves_the_floating_weights(tiny: InstalledModel) -> None:
+def test_half_precision_halves_the_floating_weights(tiny: ModelOnDisk) -> None:
     full = saved_footprint(tiny.model_id, tiny.source, tiny.params_schema, dtype_bytes=4)
     half = saved_footprint(tiny.model_id, tiny.source, tiny.params_schema, dtype_bytes=2)
 

@@ -13,7 +13,7 @@ from typing import Any
 from gpuworker.slots import RealtimeCapacity
 from tests.gpuworker.fake_api import FakeApi
 from tests.gpuworker.support import TEST_SECONDS, GatedPipeline, run_async
-from tests.gpuworker.test_client import SMALL_JOB, make_client, running
+from tests.gpuworker.test_worker import SMALL_JOB, make_worker, running
 
 TWO_SLOTS = {"tiny-sd": RealtimeCapacity(frame_ms_p95=210.5, slots=2, width=64, height=64, steps=2, measured={})}
 
@@ -49,7 +49,7 @@ async def park_in_a_job(fake: FakeApi, pipeline: GatedPipeline) -> str:
 def test_it_advertises_realtime_with_its_measured_frame_time_and_slots(tiny_pipeline: Any) -> None:
     async def body() -> None:
         async with FakeApi() as fake:
-            async with running(make_client(fake, {"tiny-sd": tiny_pipeline}, realtime=TWO_SLOTS)):
+            async with running(make_worker(fake, {"tiny-sd": tiny_pipeline}, realtime=TWO_SLOTS)):
                 hello = await fake.next_message("hello")
 
             assert hello["models"] == [{"model_id": "tiny-sd", "rung": "full", "realtime": True,
@@ -61,7 +61,7 @@ def test_it_advertises_realtime_with_its_measured_frame_time_and_slots(tiny_pipe
 def test_it_accepts_sessions_while_it_has_slots_and_refuses_the_rest_with_a_reason(tiny_pipeline: Any) -> None:
     async def body() -> None:
         async with FakeApi() as fake:
-            async with running(make_client(fake, {"tiny-sd": tiny_pipeline}, realtime=TWO_SLOTS)):
+            async with running(make_worker(fake, {"tiny-sd": tiny_pipeline}, realtime=TWO_SLOTS)):
                 await fake.next_message("hello")
                 first = await fake.session_start("s-1")
                 second = await fake.session_start("s-2", {"width": 128, "height": 64, "steps": 3})
@@ -87,7 +87,7 @@ def test_it_refuses_sessions_for_a_model_without_realtime_slots(tiny_pipeline: A
 
     async def body() -> None:
         async with FakeApi() as fake:
-            async with running(make_client(fake, {"tiny-sd": tiny_pipeline}, realtime=no_slots)):
+            async with running(make_worker(fake, {"tiny-sd": tiny_pipeline}, realtime=no_slots)):
                 hello = await fake.next_message("hello")
                 refused = await fake.session_start("s-1")
                 await fake.frame("s-1", 1, RED)  # a frame of a session it does not hold
@@ -106,8 +106,8 @@ def test_it_batches_frames_of_two_sessions_and_runs_only_the_newest_of_each(
         gated_pipeline: GatedPipeline) -> None:
     async def body() -> None:
         async with FakeApi() as fake:
-            client = make_client(fake, {"tiny-sd": gated_pipeline}, realtime=TWO_SLOTS)
-            async with running(client):
+            worker = make_worker(fake, {"tiny-sd": gated_pipeline}, realtime=TWO_SLOTS)
+            async with running(worker):
                 await fake.next_message("hello")
                 await fake.session_start("a")
                 await fake.session_start("b")
@@ -125,9 +125,9 @@ def test_it_batches_frames_of_two_sessions_and_runs_only_the_newest_of_each(
             assert [m["seq"] for m in fake.frames_of("a")] == [2]  # seq 1 was replaced, never run
             assert jpeg_size(a["image"]) == jpeg_size(b["image"]) == (64, 64)
             assert a["gpu_ms"] == b["gpu_ms"] > 0
-            assert client.frames.batch_sizes == [2]
-            ((started, _),) = client.frames.runs
-            (job,) = client.timings
+            assert worker.frames.batch_sizes == [2]
+            ((started, _),) = worker.frames.runs
+            (job,) = worker.timings
             assert job.denoise_start < started < job.denoise_end  # type: ignore[operator]  # between its steps
 
     run_async(body())
@@ -136,8 +136,8 @@ def test_it_batches_frames_of_two_sessions_and_runs_only_the_newest_of_each(
 def test_it_sends_no_frames_of_an_ended_session_and_skips_undecodable_ones(gated_pipeline: GatedPipeline) -> None:
     async def body() -> None:
         async with FakeApi() as fake:
-            client = make_client(fake, {"tiny-sd": gated_pipeline}, realtime=TWO_SLOTS)
-            async with running(client):
+            worker = make_worker(fake, {"tiny-sd": gated_pipeline}, realtime=TWO_SLOTS)
+            async with running(worker):
                 await fake.next_message("hello")
                 for session_id in ("a", "b"):
                     await fake.session_start(session_id)
@@ -156,7 +156,7 @@ def test_it_sends_no_frames_of_an_ended_session_and_skips_undecodable_ones(gated
             assert fake.frames_of("a") == []
             assert [(m["seq"], m["batch_size"]) for m in fake.frames_of("b")] == [(2, 1)]
             assert b["seq"] == 2 and c["type"] == "session_accepted"
-            assert client.frames.batch_sizes == [1]
+            assert worker.frames.batch_sizes == [1]
 
     run_async(body())
 
@@ -164,8 +164,8 @@ def test_it_sends_no_frames_of_an_ended_session_and_skips_undecodable_ones(gated
 def test_it_forgets_its_sessions_when_the_connection_drops(tiny_pipeline: Any) -> None:
     async def body() -> None:
         async with FakeApi() as fake:
-            client = make_client(fake, {"tiny-sd": tiny_pipeline}, realtime=TWO_SLOTS)
-            async with running(client):
+            worker = make_worker(fake, {"tiny-sd": tiny_pipeline}, realtime=TWO_SLOTS)
+            async with running(worker):
                 await fake.next_message("hello")
                 await fake.session_start("a")
                 await fake.session_start("b")
@@ -177,6 +177,6 @@ def test_it_forgets_its_sessions_when_the_connection_drops(tiny_pipeline: Any) -
                 await fake.barrier()
 
             assert again["type"] == "session_accepted"
-            assert not client.sessions.holds("a") and fake.frames_of("a") == []
+            assert not worker.sessions.holds("a") and fake.frames_of("a") == []
 
     run_async(body())

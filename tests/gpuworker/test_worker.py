@@ -12,29 +12,30 @@ from typing import Any
 
 import pytest
 
-from gpuworker.client import WorkerClient
 from gpuworker.connection import Backoff, TokenRefused, WorkerConfig, worker_socket_url
-from gpuworker.jobs import JobTiming, denoise_idle_gaps, encode_png_b64
+from gpuworker.jobs import encode_png_b64
+from gpuworker.timings import JobTiming, denoise_idle_gaps
+from gpuworker.worker import GpuWorker
 from tests.gpuworker.fake_api import WELCOME_SENT, FakeApi
 from tests.gpuworker.support import TEST_SECONDS, GatedPipeline, run_async
 
 SMALL_JOB = {"prompt": "a small red circle", "width": 64, "height": 64, "steps": 2, "seed": 3}
 
 
-def make_client(fake: FakeApi, pipelines: dict[str, Any], **kwargs: Any) -> WorkerClient:
+def make_worker(fake: FakeApi, pipelines: dict[str, Any], **kwargs: Any) -> GpuWorker:
     config = WorkerConfig(api_url=fake.url, token="secret", worker_id="test-host:0",
                           reconnect_initial_seconds=0.05, reconnect_max_seconds=0.2)
-    return WorkerClient(config, pipelines, **kwargs)
+    return GpuWorker(config, pipelines, **kwargs)
 
 
 @contextlib.asynccontextmanager
-async def running(client: WorkerClient) -> AsyncIterator[asyncio.Task[None]]:
-    """The client serving in the background; stopped (and awaited) on the way out."""
-    task = asyncio.create_task(client.run())
+async def running(worker: GpuWorker) -> AsyncIterator[asyncio.Task[None]]:
+    """The worker serving in the background; stopped (and awaited) on the way out."""
+    task = asyncio.create_task(worker.run())
     try:
         yield task
     finally:
-        client.stop()
+        worker.stop()
         await asyncio.wait_for(task, TEST_SECONDS)
 
 
@@ -53,8 +54,8 @@ def types_about(fake: FakeApi, job_id: str) -> list[str]:
 def test_it_says_hello_then_runs_a_job_to_a_png_of_the_requested_size(tiny_pipeline: Any) -> None:
     async def body() -> None:
         async with FakeApi() as fake:
-            client = make_client(fake, {"tiny-sd": tiny_pipeline})
-            async with running(client):
+            worker = make_worker(fake, {"tiny-sd": tiny_pipeline})
+            async with running(worker):
                 hello = await fake.next_message("hello")
                 job_id = await fake.job({**SMALL_JOB, "width": 128})
                 result = await fake.next_message("job_result", job_id=job_id)
@@ -69,7 +70,7 @@ def test_it_says_hello_then_runs_a_job_to_a_png_of_the_requested_size(tiny_pipel
             assert progress == [(1, 2), (2, 2)]
             assert [png_size(image) for image in result["images"]] == [(128, 64)]
             assert result["rung"] == "full" and result["gpu_ms"] > 0
-            (timing,) = client.timings
+            (timing,) = worker.timings
             assert timing.outcome == "succeeded"
             assert timing.received <= timing.denoise_start <= timing.denoise_end <= timing.encode_start  # type: ignore[operator]
             assert timing.encode_start <= timing.encode_end <= timing.sent  # type: ignore[operator]
@@ -80,7 +81,7 @@ def test_it_says_hello_then_runs_a_job_to_a_png_of_the_requested_size(tiny_pipel
 def test_it_heartbeats_every_heartbeat_seconds_from_the_welcome(tiny_pipeline: Any) -> None:
     async def body() -> None:
         async with FakeApi(heartbeat_seconds=0.05, unknown_models=["tiny-sd"]) as fake:
-            async with running(make_client(fake, {"tiny-sd": tiny_pipeline})):
+            async with running(make_worker(fake, {"tiny-sd": tiny_pipeline})):
                 first = await fake.next_message("heartbeat")
                 second = await fake.next_message("heartbeat")
             welcome = next(m for m in fake.received if m["type"] == WELCOME_SENT)
@@ -92,8 +93,8 @@ def test_it_heartbeats_every_heartbeat_seconds_from_the_welcome(tiny_pipeline: A
 def test_it_sends_nothing_for_a_waiting_job_that_is_cancelled(gated_pipeline: GatedPipeline) -> None:
     async def body() -> None:
         async with FakeApi() as fake:
-            client = make_client(fake, {"tiny-sd": gated_pipeline})
-            async with running(client):
+            worker = make_worker(fake, {"tiny-sd": gated_pipeline})
+            async with running(worker):
                 await fake.next_message("hello")
                 running_job = await fake.job(SMALL_JOB)
                 waiting_job = await fake.job(SMALL_JOB)
@@ -106,9 +107,9 @@ def test_it_sends_nothing_for_a_waiting_job_that_is_cancelled(gated_pipeline: Ga
 
             assert types_about(fake, running_job)[-1] == "job_result"
             assert fake.about(waiting_job) == []
-            assert [(t.job_id, t.outcome) for t in client.timings] == [
+            assert [(t.job_id, t.outcome) for t in worker.timings] == [
                 (running_job, "succeeded"), (waiting_job, "cancelled"), (later_job, "succeeded")]
-            assert client.timings[1].denoise_start is None
+            assert worker.timings[1].denoise_start is None
 
     run_async(body())
 
@@ -116,8 +117,8 @@ def test_it_sends_nothing_for_a_waiting_job_that_is_cancelled(gated_pipeline: Ga
 def test_it_interrupts_the_running_job_when_it_is_cancelled(gated_pipeline: GatedPipeline) -> None:
     async def body() -> None:
         async with FakeApi() as fake:
-            client = make_client(fake, {"tiny-sd": gated_pipeline})
-            async with running(client):
+            worker = make_worker(fake, {"tiny-sd": gated_pipeline})
+            async with running(worker):
                 await fake.next_message("hello")
                 job_id = await fake.job({**SMALL_JOB, "steps": 5})
                 await fake.next_message("job_progress", job_id=job_id, step=1)
@@ -128,7 +129,7 @@ def test_it_interrupts_the_running_job_when_it_is_cancelled(gated_pipeline: Gate
                 await fake.next_message("job_result", job_id=next_job)
 
             assert types_about(fake, job_id) == ["job_started", "job_progress"]  # nothing after the cancel
-            assert client.timings[0].outcome == "cancelled"
+            assert worker.timings[0].outcome == "cancelled"
 
     run_async(body())
 
@@ -136,8 +137,8 @@ def test_it_interrupts_the_running_job_when_it_is_cancelled(gated_pipeline: Gate
 def test_it_ignores_a_job_it_already_holds(gated_pipeline: GatedPipeline) -> None:
     async def body() -> None:
         async with FakeApi() as fake:
-            client = make_client(fake, {"tiny-sd": gated_pipeline})
-            async with running(client):
+            worker = make_worker(fake, {"tiny-sd": gated_pipeline})
+            async with running(worker):
                 await fake.next_message("hello")
                 job_id = await fake.job(SMALL_JOB)
                 await fake.next_message("job_started", job_id=job_id)
@@ -149,7 +150,7 @@ def test_it_ignores_a_job_it_already_holds(gated_pipeline: GatedPipeline) -> Non
 
             assert types_about(fake, job_id).count("job_started") == 1
             assert types_about(fake, job_id).count("job_result") == 1
-            assert [t.job_id for t in client.timings] == [job_id, next_job]
+            assert [t.job_id for t in worker.timings] == [job_id, next_job]
 
     run_async(body())
 
@@ -157,7 +158,7 @@ def test_it_ignores_a_job_it_already_holds(gated_pipeline: GatedPipeline) -> Non
 def test_it_refuses_sessions_without_realtime_and_ignores_their_messages(tiny_pipeline: Any) -> None:
     async def body() -> None:
         async with FakeApi() as fake:
-            async with running(make_client(fake, {"tiny-sd": tiny_pipeline})):
+            async with running(make_worker(fake, {"tiny-sd": tiny_pipeline})):
                 await fake.next_message("hello")
                 await fake.send({"type": "session_start", "session_id": "s-1", "model_id": "tiny-sd",
                                  "params": {"prompt": "p"}})
@@ -175,7 +176,7 @@ def test_it_refuses_sessions_without_realtime_and_ignores_their_messages(tiny_pi
 def test_it_survives_bad_and_unknown_messages(tiny_pipeline: Any) -> None:
     async def body() -> None:
         async with FakeApi() as fake:
-            async with running(make_client(fake, {"tiny-sd": tiny_pipeline})) as task:
+            async with running(make_worker(fake, {"tiny-sd": tiny_pipeline})) as task:
                 await fake.next_message("hello")
                 for raw in ("not json", "[1, 2]", '{"type": "bogus"}', '{"type": ["job"]}', '{"no": "type"}',
                             '{"type": "job"}', '{"type": "cancel", "job_id": 5}', '{"type": "session_start"}'):
@@ -190,7 +191,7 @@ def test_it_survives_bad_and_unknown_messages(tiny_pipeline: Any) -> None:
 def test_it_reports_a_failed_job_with_a_short_error(tiny_pipeline: Any) -> None:
     async def body() -> None:
         async with FakeApi() as fake:
-            async with running(make_client(fake, {"tiny-sd": tiny_pipeline})):
+            async with running(make_worker(fake, {"tiny-sd": tiny_pipeline})):
                 await fake.next_message("hello")
                 bad_params = await fake.job({"prompt": "p", "width": 100})
                 unknown_model = await fake.job(SMALL_JOB, model_id="not-here")
@@ -216,8 +217,8 @@ def test_it_delivers_results_produced_while_the_api_was_down_after_the_next_welc
 
     async def body() -> None:
         async with FakeApi() as fake:
-            client = make_client(fake, {"tiny-sd": tiny_pipeline}, encode=encode_once_the_api_is_down)
-            async with running(client):
+            worker = make_worker(fake, {"tiny-sd": tiny_pipeline}, encode=encode_once_the_api_is_down)
+            async with running(worker):
                 await fake.next_message("hello")
                 job_id = await fake.job(SMALL_JOB)
                 await fake.next_message("job_started", job_id=job_id)
@@ -232,7 +233,7 @@ def test_it_delivers_results_produced_while_the_api_was_down_after_the_next_welc
             assert result["_connection"] == 2
             assert fake.index_of(hello) < fake.index_of(welcome) < fake.index_of(result)
             assert [png_size(image) for image in result["images"]] == [(64, 64)]
-            assert client.welcomes == 2
+            assert worker.connection.welcomes == 2
 
     run_async(body())
 
@@ -249,8 +250,8 @@ def test_it_starts_denoising_the_next_job_before_the_previous_result_is_sent(tin
 
     async def body() -> None:
         async with FakeApi() as fake:
-            client = make_client(fake, {"tiny-sd": tiny_pipeline}, encode=slow_encode)
-            async with running(client):
+            worker = make_worker(fake, {"tiny-sd": tiny_pipeline}, encode=slow_encode)
+            async with running(worker):
                 await fake.next_message("hello")
                 first, second = await fake.job(SMALL_JOB), await fake.job(SMALL_JOB)
                 started = await fake.next_message("job_started", job_id=second)
@@ -259,9 +260,9 @@ def test_it_starts_denoising_the_next_job_before_the_previous_result_is_sent(tin
                 await fake.next_message("job_result", job_id=second)
 
             assert fake.index_of(started) < fake.index_of(first_result)
-            one, two = client.timings
+            one, two = worker.timings
             assert one.denoise_end <= two.denoise_start < one.encode_end <= one.sent  # type: ignore[operator]
-            (gap,) = denoise_idle_gaps(client.timings)
+            (gap,) = denoise_idle_gaps(worker.timings)
             assert gap >= 0
 
     run_async(body())
@@ -270,9 +271,9 @@ def test_it_starts_denoising_the_next_job_before_the_previous_result_is_sent(tin
 def test_it_exits_with_a_clear_error_when_the_token_is_refused(tiny_pipeline: Any) -> None:
     async def body() -> None:
         async with FakeApi(refuse_token=True) as fake:
-            client = make_client(fake, {"tiny-sd": tiny_pipeline})
+            worker = make_worker(fake, {"tiny-sd": tiny_pipeline})
             with pytest.raises(TokenRefused, match="refused the worker token"):
-                await client.run()
+                await worker.run()
             assert len(fake.paths) == 1  # no retry
 
     run_async(body())
@@ -299,7 +300,7 @@ def test_it_sends_the_token_in_the_authorization_header_a_checking_api_accepts(t
     async def body() -> None:
         async with FakeApi(token="s3cret") as fake:
             config = WorkerConfig(api_url=fake.url, token="s3cret", worker_id="test-host:0")
-            async with running(WorkerClient(config, {"tiny-sd": tiny_pipeline})):
+            async with running(GpuWorker(config, {"tiny-sd": tiny_pipeline})):
                 await fake.next_message("hello")
             assert fake.authorizations == ["Token s3cret"] and fake.paths == ["/ws/worker/"]
 
