@@ -4,7 +4,7 @@ Their `type` names the consumer's handler (channels' rule). docs/design/bus.md."
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple, Self
 
 from potocolom.protocol.errors import MessageError
 
@@ -71,29 +71,29 @@ class JobsAvailable(Event):
 
 
 @dataclass(frozen=True)
-class WorkerCancel(Event):
-    """Another process cancelled (or requeued) a job this worker holds: tell it, free its place."""
+class _JobOfWorker(Event):
+    """An event for the consumer of the worker holding a job."""
 
-    type = "worker.cancel"
     worker_id: str
     job_id: str
 
     @classmethod
-    def parse(cls, event: dict[str, Any]) -> WorkerCancel:
+    def parse(cls, event: dict[str, Any]) -> Self:
         return cls(_text(event, "worker_id"), _text(event, "job_id"))
 
 
 @dataclass(frozen=True)
-class WorkerPreempt(Event):
+class WorkerCancel(_JobOfWorker):
+    """Another process cancelled (or requeued) a job this worker holds: tell it, free its place."""
+
+    type = "worker.cancel"
+
+
+@dataclass(frozen=True)
+class WorkerPreempt(_JobOfWorker):
     """Another process paused a job this worker holds: preempt it here (cancel it on v1)."""
 
     type = "worker.preempt"
-    worker_id: str
-    job_id: str
-
-    @classmethod
-    def parse(cls, event: dict[str, Any]) -> WorkerPreempt:
-        return cls(_text(event, "worker_id"), _text(event, "job_id"))
 
 
 @dataclass(frozen=True)
