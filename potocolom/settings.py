@@ -159,6 +159,8 @@ if not re.fullmatch(r"[1-9][0-9]*/(s|sec|second|m|min|minute|h|hour|d|day)", JOB
 # A body over this answers 413 from its Content-Length, before anything reads it; Django's own cap agrees.
 MAX_REQUEST_BYTES = envint("MAX_REQUEST_BYTES", 10 * 1024 * 1024, minimum=1024)
 DATA_UPLOAD_MAX_MEMORY_SIZE = MAX_REQUEST_BYTES
+# Threads serving HTTP requests in one API process (each holds one database connection).
+HTTP_THREADS = envint("HTTP_THREADS", 8, minimum=1)
 MAX_IMAGE_PIXELS = envint("MAX_IMAGE_PIXELS", 4194304, minimum=1)
 # Caps for a model whose params_schema sets no maximum of its own.
 MAX_IMAGE_SIDE = envint("MAX_IMAGE_SIDE", 2048, minimum=8)

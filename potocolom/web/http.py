@@ -1,14 +1,46 @@
-"""Django's HTTP side under Daphne in one thread hop per request, and the 413 for a body over
-MAX_REQUEST_BYTES before it is read. docs/design/http.md, "One thread hop per request"."""
+"""Django's HTTP side under Daphne: each request in one hop to a thread of a bounded pool of its
+own, and the 413 for a body over MAX_REQUEST_BYTES before it is read. docs/design/http.md."""
 from __future__ import annotations
 
+import contextlib
 import io
 import json
+import threading
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
+from django.db import connections
+
+from potocolom.runtime import Slot, runtime
+
+
+class HttpThreads:
+    """The process's HTTP threads (HTTP_THREADS), each with its own database connection: a request
+    that waits holds up only its thread; the sockets' database calls keep asgiref's own thread."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.pool = ThreadPoolExecutor(count, thread_name_prefix="http")
+
+    def stop(self) -> None:
+        """Each thread closes its database connections (a test database can then be dropped)."""
+        meet = threading.Barrier(self.count, timeout=5)
+
+        def close_mine() -> None:
+            with contextlib.suppress(threading.BrokenBarrierError):
+                meet.wait()  # every thread takes one: no thread closes twice while another none
+            connections.close_all()
+
+        for _ in range(self.count):
+            self.pool.submit(close_mine)
+        self.pool.shutdown(wait=True)
+
+
+HTTP_THREADS = Slot("potocolom.web.http_threads", make=lambda: HttpThreads(settings.HTTP_THREADS),
+                    stop=HttpThreads.stop)
 
 
 class OneHopWsgi:
@@ -35,11 +67,11 @@ class OneHopWsgi:
             if not message.get("more_body"):
                 break
         body.seek(0)
-        status, headers, content = await self._run(wsgi_environ(scope, body))
+        run = sync_to_async(self._run, thread_sensitive=False, executor=runtime.get(HTTP_THREADS).pool)
+        status, headers, content = await run(wsgi_environ(scope, body))
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": content})
 
-    @sync_to_async(thread_sensitive=True)
     def _run(self, environ: dict[str, Any]) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
         started: dict[str, Any] = {}
 
