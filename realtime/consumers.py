@@ -22,7 +22,7 @@ from potocolom.transport import relay
 from potocolom.transport.notify import socket_event
 from potocolom.transport.relay import RelayConsumer
 from potocolom.web.errors import close_code_of
-from potocolom.web.sockets import socket_account
+from potocolom.web.sockets import presented_token, socket_account
 from realtime import services
 from realtime.errors import NotAuthenticated, SessionError
 from realtime.frames import FrameGate
@@ -58,7 +58,7 @@ class SessionConsumer(RelayConsumer):
         try:
             query = query_of(self.scope)
             account = await database_sync_to_async(socket_account)(
-                user=self.scope.get("user"), token=query.get("token"))
+                user=self.scope.get("user"), token=presented_token(self.scope))
             if account is None:
                 raise NotAuthenticated()
             model_id, params = await database_sync_to_async(services.session_request)(query=query)

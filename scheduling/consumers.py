@@ -16,7 +16,7 @@ from potocolom.protocol import close_codes
 from potocolom.protocol.events import JobChanged, JobProgressed
 from potocolom.transport import relay
 from potocolom.transport.relay import RelayConsumer
-from potocolom.web.sockets import socket_account
+from potocolom.web.sockets import presented_token, socket_account
 from scheduling.events import account_group, job_of_snapshot
 from scheduling.serializers import job_payload
 
@@ -42,7 +42,7 @@ class JobEventsConsumer(RelayConsumer):
             await self.close(code=close_codes.BAD_QUERY, reason="job_id must be job ids (UUIDs), at most 200")
             return
         account = await database_sync_to_async(socket_account)(
-            user=self.scope.get("user"), token=(query.get("token") or [None])[-1] or self._header_token())
+            user=self.scope.get("user"), token=presented_token(self.scope))
         if account is None:
             await self.close(code=close_codes.NOT_AUTHENTICATED, reason="not authenticated")
             return
@@ -90,13 +90,6 @@ class JobEventsConsumer(RelayConsumer):
         """Only the account's own events, and of those the jobs named, when some were."""
         return (self.account_id is not None and account == self.account_id
                 and (not self.job_ids or job_id in self.job_ids))
-
-    def _header_token(self) -> str | None:
-        for name, value in self.scope.get("headers", []):
-            if name.lower() == b"authorization":
-                kind, _, token = bytes(value).decode("latin-1").partition(" ")
-                return token.strip() if kind.lower() == "token" else None
-        return None
 
     def _origin(self) -> str:
         """scheme://host of the URLs in a job (its images), as REST writes them for this host."""

@@ -80,6 +80,16 @@ class BrowserOriginCheck:
         await self.application(scope, receive, send)
 
 
+def presented_token(scope: Scope) -> str | None:
+    """The API token a browser-facing socket brings: its `Authorization: Token T` header (which
+    keeps the token out of URLs and logs), else `?token=T`; None for neither."""
+    kind, _, token = (header(scope, b"authorization") or "").strip().partition(" ")
+    if kind.lower() == "token" and token.strip():
+        return token.strip()
+    query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+    return (query.get("token") or [None])[-1] or None
+
+
 def socket_account(*, user: Any, token: str | None) -> User | None:
     """The account behind a browser-facing socket (/ws/session/, /ws/jobs/): its Django session, or
     an API token (query or header); None for neither, or an inactive account. Reads the database."""

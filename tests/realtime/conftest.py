@@ -19,12 +19,12 @@ def fast_password_hashing(settings):
 class Browser:
     """The drawing page's side of /ws/session/, driven through channels' WebsocketCommunicator."""
 
-    def __init__(self, **query: Any) -> None:
+    def __init__(self, *, headers: list[tuple[bytes, bytes]] | None = None, **query: Any) -> None:
         from channels.testing import WebsocketCommunicator
 
         from potocolom.asgi import application
 
-        self.communicator = WebsocketCommunicator(application, f"/ws/session/?{urlencode(query)}")
+        self.communicator = WebsocketCommunicator(application, f"/ws/session/?{urlencode(query)}", headers=headers)
         self.close_code: int | None = None
         self.disconnected = False
 
@@ -103,13 +103,14 @@ async def sockets(db, worker_token):
 
     made: list[Any] = []
 
-    async def browser(account=None, *, connect: bool = True, token: str | None = None, **query: Any) -> Browser:
+    async def browser(account=None, *, connect: bool = True, token: str | None = None,
+                      headers: list[tuple[bytes, bytes]] | None = None, **query: Any) -> Browser:
         if account is not None:
             query["token"] = await database_sync_to_async(token_of)(account)
         elif token is not None:
             query["token"] = token
         query.setdefault("model_id", "tiny-a")
-        made.append(Browser(**{k: v for k, v in query.items() if v is not None}))
+        made.append(Browser(headers=headers, **{k: v for k, v in query.items() if v is not None}))
         if connect:
             await made[-1].connect()
         return made[-1]

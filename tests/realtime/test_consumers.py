@@ -6,6 +6,8 @@ import asyncio
 import pytest
 from channels.db import database_sync_to_async
 
+from tests.realtime.conftest import token_of
+
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
@@ -35,6 +37,26 @@ async def test_it_takes_a_worker_token_for_no_account(models, sockets, worker_to
     browser, _ = sockets
 
     assert await (await browser(token=worker_token)).expect_close() == 4001
+
+
+async def test_it_takes_the_token_from_the_authorization_header(models, sockets, alice):
+    browser, _ = sockets
+    token = await database_sync_to_async(token_of)(alice)
+
+    socket = await browser(headers=[(b"authorization", f"Token {token}".encode())])
+
+    assert await socket.expect_state("queued", position=1)
+    assert await states() == ["queued"]
+
+
+@pytest.mark.parametrize("value", [b"Token not-a-token", b"Bearer {token}", b"Token"])
+async def test_a_header_that_is_no_account_token_is_closed_with_4001(models, sockets, alice, value):
+    browser, _ = sockets
+    token = await database_sync_to_async(token_of)(alice)
+
+    socket = await browser(headers=[(b"authorization", value.replace(b"{token}", token.encode()))])
+
+    assert await socket.expect_close() == 4001
 
 
 @pytest.mark.parametrize("query", [{"model_id": "not-registered"}, {"model_id": "tiny-c"},
