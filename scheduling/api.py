@@ -26,9 +26,13 @@ from scheduling import selectors, services
 from scheduling.images import INIT_IMAGE, ParamsWithoutImage, init_image_content, init_image_problem
 from scheduling.models import Job, JobState, WebhookDelivery
 from scheduling.serializers import JobCreateSerializer, JobSerializer
-from scheduling.throttles import JobSubmitThrottle
+from scheduling.throttles import JobControlThrottle, JobSubmitThrottle
 from scheduling.webhooks.resolving import webhook_url_problem
 from scheduling.webhooks.services import webhook_secret_of, webhook_secret_rotate
+
+MAX_INDEX_DIGITS = 9  # an image index longer than this is no image of any job
+THROTTLES: dict[str, type[JobSubmitThrottle]] = {
+    "create": JobSubmitThrottle, "pause": JobControlThrottle, "resume": JobControlThrottle}
 
 
 def account_of(request: Request) -> User:
@@ -43,8 +47,10 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
     serializer_class = JobSerializer
 
     def get_throttles(self) -> list[Any]:
-        """Only submission is rate-limited: reading and cancelling stay free."""
-        return [JobSubmitThrottle()] if self.action == "create" else []
+        """Submissions, and pauses and resumes, are rate-limited (JOB_SUBMIT_RATE, a counter each):
+        reading and cancelling stay free."""
+        throttle = THROTTLES.get(self.action or "")
+        return [throttle()] if throttle is not None else []
 
     def get_queryset(self) -> Any:
         if getattr(self, "swagger_fake_view", False):  # drf-spectacular building the schema: no request
@@ -150,7 +156,8 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
     def image(self, request: Request, pk: str | None = None, index: str = "0") -> FileResponse:
         """One of a succeeded job's images (PNG), for its own account only."""
         job = self.get_object()
-        if int(index) >= len(job.images):
+        # an index of thousands of digits is no image either (int() refuses past 4,300 digits: a 500)
+        if len(index) > MAX_INDEX_DIGITS or int(index) >= len(job.images):
             raise Http404
         name = job.images[int(index)]
         content_type = mimetypes.guess_type(name)[0] or "application/octet-stream"

@@ -125,3 +125,11 @@ class JobSubmitThrottle(UserRateThrottle):
 
     def wait(self) -> float | None:
         return max(1.0, float(getattr(self, "_wait", self.duration)))
+
+
+class JobControlThrottle(JobSubmitThrottle):
+    """Pauses and resumes per account, together, at JOB_SUBMIT_RATE on a counter of their own: each
+    takes a job out of the queue or puts it back (a held one's pause costs its worker a preemption),
+    work a submission's worth; a client's submissions never use up its pauses, nor the reverse."""
+
+    scope = "job_control"

@@ -307,6 +307,15 @@ def test_it_answers_404_for_an_image_a_job_does_not_have(models, alice, job_of):
     assert get(alice, f"/api/v1/jobs/{job['id']}/images/0/").status_code == 404
 
 
+@pytest.mark.parametrize("index", ["9" * 5000, "0" * 5000, "1" + "0" * 18, "4294967296"])
+def test_it_answers_404_not_500_for_a_huge_image_index(models, alice, job_of, index):
+    job = job_of(alice)
+    Job.objects.filter(id=job["id"]).update(state="succeeded", images=["jobs/x/0.png"])
+    client = api_client(alice, raise_request_exception=False)
+
+    assert client.get(f"/api/v1/jobs/{job['id']}/images/{index}/").status_code == 404
+
+
 # --- cancelling ---------------------------------------------------------------------------------
 
 def test_it_cancels_a_queued_job(models, alice, job_of):

@@ -160,6 +160,31 @@ def test_bob_can_neither_pause_nor_resume_alices_job(alice, bob, submit, post, v
     assert Job.objects.get(id=job_id).state == state
 
 
+def test_pauses_and_resumes_over_the_submission_rate_answer_429_with_retry_after(settings, alice, bob, submit, post):
+    job_id, bobs = submit(alice), submit(bob)
+    settings.JOB_SUBMIT_RATE = "3/minute"
+
+    answers = [post(alice, job_id, verb) for verb in ("pause", "resume", "pause", "resume")]
+
+    assert [answer.status_code for answer in answers] == [200, 200, 200, 429]
+    refused = answers[-1]
+    assert refused.json()["error"] == "throttled" and 1 <= int(refused["Retry-After"]) <= 60
+    assert Job.objects.get(id=job_id).state == JobState.PAUSED
+    # per account, on a counter of their own: bob pauses, alice still submits, reads and cancels
+    assert post(bob, bobs, "pause").status_code == 200
+    submit(alice)
+    assert api_client(alice).get(f"/api/v1/jobs/{job_id}/").status_code == 200
+    assert post(alice, job_id, "cancel").status_code == 200
+
+
+def test_submissions_do_not_use_up_the_pauses(settings, alice, submit, post):
+    settings.JOB_SUBMIT_RATE = "2/minute"
+    first, _ = submit(alice), submit(alice)
+
+    assert post(alice, first, "pause").status_code == 200
+    assert post(alice, first, "resume").status_code == 200
+
+
 def test_the_job_limit_counts_paused_jobs(settings, alice, submit, post, django_capture_on_commit_callbacks):
     settings.ACCOUNT_JOB_LIMIT = 2
     first = submit(alice)
