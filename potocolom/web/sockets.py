@@ -3,13 +3,16 @@ counts, a token is taken from the handshake, a path no route serves is refused (
 docs/design/http.md, "Whose socket"."""
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable
+import contextlib
+from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from django.conf import settings
 from django.contrib.auth.models import AnonymousUser, User
-from django.http.request import validate_host
+from django.core.exceptions import DisallowedHost
+from django.http import HttpRequest, HttpResponse
+from django.middleware.csrf import CsrfViewMiddleware
 from django.utils.http import is_same_domain
 from rest_framework.authtoken.models import Token
 
@@ -17,28 +20,55 @@ Scope = dict[str, Any]
 ASGIApp = Callable[[Scope, Callable[..., Awaitable[Any]], Callable[..., Awaitable[Any]]], Awaitable[None]]
 
 
-def origin_allowed(origin: str | None, *, allowed_hosts: Iterable[str], trusted_origins: Iterable[str]) -> bool:
-    """Whether a page at `origin` is one of ours (Django's host and CSRF origin rules)."""
+class Handshake(HttpRequest):
+    """A socket's handshake read as Django reads a request (its headers as META, its server), with
+    the deployment's scheme: for Django's own host check, `get_host`."""
+
+    def __init__(self, scope: Scope, *, secure: bool) -> None:
+        super().__init__()
+        for name, value in scope.get("headers", []):
+            key = "HTTP_" + bytes(name).decode("latin-1").upper().replace("-", "_")
+            text = bytes(value).decode("latin-1")
+            self.META[key] = f"{self.META[key]},{text}" if key in self.META else text  # as ASGIRequest
+        server, port = scope.get("server") or (None, None)
+        self.META["SERVER_NAME"] = str(server or "")
+        self.META["SERVER_PORT"] = str(port or (443 if secure else 80))
+        self.secure = secure
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.secure else "http"
+
+
+def origin_allowed(scope: Scope, *, secure: bool) -> bool:
+    """Whether the handshake's Origin is a page of ours, as Django's CSRF check decides for a POST
+    (CsrfViewMiddleware._origin_verified): this socket's own origin (scheme, host and port of its
+    Host header, which ALLOWED_HOSTS must allow), or one CSRF_TRUSTED_ORIGINS names (exactly, or a
+    subdomain of a `*.` one, over the same scheme)."""
+    origin = header(scope, b"origin")
     if not origin:
         return False
+    handshake = Handshake(scope, secure=secure)
+    with contextlib.suppress(DisallowedHost):
+        if origin == f"{handshake.scheme}://{handshake.get_host()}":
+            return True
+    trusted = CsrfViewMiddleware(_no_view)  # its parsing of CSRF_TRUSTED_ORIGINS, read now
+    if origin in trusted.allowed_origins_exact:
+        return True
     try:
         parsed = urlsplit(origin)
-        hostname = parsed.hostname
     except ValueError:
         return False
-    if parsed.scheme not in ("http", "https") or not hostname:
-        return False
-    host = f"[{hostname}]" if ":" in hostname else hostname
-    if validate_host(host, list(allowed_hosts)):
-        return True
-    for trusted in trusted_origins:
-        wanted = urlsplit(trusted)
-        if wanted.scheme != parsed.scheme:
-            continue
-        if wanted.netloc == parsed.netloc or (
-                wanted.netloc.startswith("*.") and is_same_domain(parsed.netloc, wanted.netloc[1:])):
-            return True
-    return False
+    return any(is_same_domain(parsed.netloc, host) for host in trusted.allowed_origin_subdomains.get(parsed.scheme, ()))
+
+
+def _no_view(request: HttpRequest) -> HttpResponse:
+    raise NotImplementedError  # CsrfViewMiddleware is used for its settings, never as a middleware
+
+
+def secure_socket(scope: Scope) -> bool:
+    """Whether the deployment's pages are https (HTTPS=true) or this socket came over TLS."""
+    return bool(settings.HTTPS) or scope.get("scheme") == "wss"
 
 
 def header(scope: Scope, name: bytes) -> str | None:
@@ -69,9 +99,7 @@ class BrowserOriginCheck:
 
     async def __call__(self, scope: Scope, receive: Callable[..., Awaitable[Any]],
                        send: Callable[..., Awaitable[Any]]) -> None:
-        if scope.get("type") == "websocket" and not origin_allowed(
-                header(scope, b"origin"), allowed_hosts=settings.ALLOWED_HOSTS,
-                trusted_origins=settings.CSRF_TRUSTED_ORIGINS):
+        if scope.get("type") == "websocket" and not origin_allowed(scope, secure=secure_socket(scope)):
             if brings_token(scope):
                 scope = {**scope, "user": AnonymousUser()}  # the token authenticates, not the cookie
             elif getattr(scope.get("user"), "is_authenticated", False):

@@ -15,28 +15,66 @@ from tests.helpers import close_sync_thread_connections
 pytestmark = pytest.mark.django_db(transaction=True)
 
 OWN = b"http://127.0.0.1:8000"  # a page served by us (127.0.0.1 is in the default ALLOWED_HOSTS)
+HOST = b"127.0.0.1:8000"  # where that page opens its sockets
 FOREIGN = b"https://evil.example"
 
 
-@pytest.mark.parametrize(("origin", "allowed"), [
-    ("http://127.0.0.1:8000", True),
-    ("http://localhost", True),
-    ("https://[::1]:8443", True),
-    ("https://app.example.com", True),  # in CSRF_TRUSTED_ORIGINS
-    ("https://eu.api.example.org", True),  # a subdomain of a trusted wildcard origin
-    ("http://app.example.com", False),  # trusted only over https
-    ("https://evil.example", False),
-    ("https://127.0.0.1.evil.example", False),
-    ("null", False),
-    ("", False),
-    (None, False),
-    ("http://[not-an-address", False),
-])
-def test_it_allows_the_origins_of_our_own_pages(origin, allowed):
-    hosts = ["localhost", "127.0.0.1", "[::1]"]
-    trusted = ["https://app.example.com", "https://*.example.org"]
+HOSTS = ["localhost", "127.0.0.1", "[::1]", "app.example.com"]
+TRUSTED = ["https://app.example.com", "https://*.example.org", "http://127.0.0.1:9000"]
+# (Origin, the handshake's Host, whether the deployment is HTTPS, allowed)
+ORIGINS = [
+    ("http://127.0.0.1:8000", "127.0.0.1:8000", False, True),  # the page this socket's host serves
+    ("http://localhost", "localhost", False, True),
+    ("https://[::1]:8443", "[::1]:8443", True, True),
+    ("http://127.0.0.1:8001", "127.0.0.1:8000", False, False),  # another port of the same host
+    ("http://localhost:8000", "127.0.0.1:8000", False, False),  # another allowed host is another site
+    ("http://app.example.com", "app.example.com", True, False),  # a plain-http page, HTTPS deployment
+    ("https://app.example.com:8443", "app.example.com", True, False),  # another port
+    ("https://app.example.com", "app.example.com", True, True),
+    ("http://app.example.com", "app.example.com", False, True),  # a plain-http deployment's own page
+    ("https://app.example.com", "127.0.0.1:8000", False, True),  # in CSRF_TRUSTED_ORIGINS, whatever the Host
+    ("http://127.0.0.1:9000", "localhost", False, True),
+    ("http://127.0.0.1:9001", "localhost", False, False),
+    ("https://eu.api.example.org", "localhost", False, True),  # a subdomain of a trusted wildcard origin
+    ("http://eu.api.example.org", "localhost", False, False),  # ... over another scheme
+    ("https://eu.example.org:444", "localhost", True, False),  # ... or port
+    ("https://evil.example", "evil.example", True, False),  # its own Host, which ALLOWED_HOSTS refuses
+    ("https://127.0.0.1.evil.example", "127.0.0.1", True, False),
+    ("null", "localhost", False, False),
+    ("http://[not-an-address", "localhost", False, False),
+    ("http://127.0.0.1:8000", None, False, True),  # no Host header: the server's address (PEP 333)
+    ("http://127.0.0.1", None, False, False),
+]
 
-    assert origin_allowed(origin, allowed_hosts=hosts, trusted_origins=trusted) is allowed
+
+def scope_of(origin: str | None, host: str | None) -> dict:
+    headers = [(b"origin", origin.encode())] if origin is not None else []
+    return {"type": "websocket", "server": ("127.0.0.1", 8000),
+            "headers": headers + ([(b"host", host.encode())] if host is not None else [])}
+
+
+@pytest.mark.parametrize(("origin", "host", "secure", "allowed"), ORIGINS)
+def test_it_allows_the_origins_of_our_own_pages(settings, origin, host, secure, allowed):
+    settings.ALLOWED_HOSTS, settings.CSRF_TRUSTED_ORIGINS = HOSTS, TRUSTED
+
+    assert origin_allowed(scope_of(origin, host), secure=secure) is allowed
+
+
+@pytest.mark.parametrize(("origin", "host", "secure", "allowed"), ORIGINS)
+def test_it_decides_as_djangos_csrf_origin_check_does_for_a_post(settings, origin, host, secure, allowed):
+    from django.middleware.csrf import CsrfViewMiddleware
+    from django.test import RequestFactory
+
+    settings.ALLOWED_HOSTS, settings.CSRF_TRUSTED_ORIGINS = HOSTS, TRUSTED
+    where = {"HTTP_HOST": host} if host is not None else {"SERVER_NAME": "127.0.0.1", "SERVER_PORT": "8000"}
+    post = RequestFactory().post("/", secure=secure, HTTP_ORIGIN=origin, **where)
+
+    assert CsrfViewMiddleware(lambda request: None)._origin_verified(post) is allowed
+
+
+@pytest.mark.parametrize("origin", [None, ""])
+def test_no_origin_is_no_page_of_ours(origin):
+    assert origin_allowed(scope_of(origin, "127.0.0.1:8000"), secure=False) is False
 
 
 @pytest.fixture
@@ -79,13 +117,23 @@ SESSION = "/ws/session/?model_id=not-registered"
 
 
 async def test_a_session_cookie_from_our_own_page_authenticates(session_cookie):
-    assert await handshake(SESSION, [(b"cookie", session_cookie), (b"origin", OWN)]) == (
+    assert await handshake(SESSION, [(b"cookie", session_cookie), (b"origin", OWN), (b"host", HOST)]) == (
         True, close_codes.NO_MODEL_FITS)
+
+
+@pytest.mark.parametrize(("origin", "https"), [(b"http://127.0.0.1:8001", False), (OWN, True),
+                                               (b"https://127.0.0.1:8000", False)])
+async def test_a_session_cookie_from_another_port_or_scheme_of_our_host_is_refused(session_cookie, settings,
+                                                                                    origin, https):
+    settings.HTTPS = https
+
+    assert await handshake(SESSION, [(b"cookie", session_cookie), (b"origin", origin), (b"host", HOST)]) == (
+        False, None)
 
 
 @pytest.mark.parametrize("origin", [FOREIGN, b"null", None])
 async def test_a_session_cookie_from_another_or_no_origin_is_refused_at_the_handshake(session_cookie, origin):
-    headers = [(b"cookie", session_cookie)] + ([(b"origin", origin)] if origin else [])
+    headers = [(b"cookie", session_cookie), (b"host", HOST)] + ([(b"origin", origin)] if origin else [])
 
     assert await handshake(SESSION, headers) == (False, None)
 
