@@ -136,8 +136,13 @@ class SessionConsumer(RelayConsumer):
             self.due_timer.cancel()
         if self.session_id is not None:
             session_id, self.session_id = self.session_id, None
-            await database_sync_to_async(services.session_close)(session_id=session_id, now=timezone.now())
-            await sweeper_release()
+            try:
+                await database_sync_to_async(services.session_close)(session_id=session_id, now=timezone.now())
+            except Exception:  # the database failed the close: the row stays open until the sweep's bound
+                log.exception("could not close session %s; the sweep closes it", session_id)
+                services.session_forget(session_id=session_id)
+            finally:
+                await sweeper_release()
 
     async def send_json(self, message: dict[str, Any]) -> None:
         await self.send(text_data=json.dumps(message))

@@ -44,6 +44,10 @@ class RealtimeSession(models.Model):
     # browser's reconnect that took its place (so that no second reconnect takes it too).
     orphaned_at = models.DateTimeField(null=True, blank=True)
     resumed_by = models.UUIDField(null=True, blank=True)
+    # When the process holding its browser socket last vouched that the socket is open (at the join,
+    # then at each of its sweep ticks): a row unseen for long has lost its socket (a close that
+    # failed) and the sweep closes it. Null: a row of a version that did not vouch (left alone).
+    seen_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["joined_at", "id"]

@@ -1,6 +1,6 @@
-"""The session path's decisions, pure (no Django, time passed in): queue order and positions,
-first-fit admission, a model's slots, idleness, which gone session's place a reconnect takes, and
-which news of a placement still applies. The shared admission's story: docs/design/shared-admission.md."""
+"""The session path's decisions, pure (no Django, time passed in): queue order and positions, first
+fit, a model's slots, idleness, a socket unseen, which gone session's place a reconnect takes, which
+news of a placement still applies. The shared admission's story: docs/design/shared-admission.md."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
@@ -105,6 +105,15 @@ def is_idle(last_input: datetime, now: datetime, idle_seconds: float) -> bool:
 def idle_at(last_input: datetime, idle_seconds: float) -> datetime:
     """When a session with no further input goes idle."""
     return last_input + timedelta(seconds=idle_seconds)
+
+
+UNSEEN_SWEEPS = 3  # sweep periods a socket's process may miss vouching for it before its row is closed
+
+
+def unseen_before(now: datetime, *, sweep_seconds: float) -> datetime:
+    """A session row whose socket's process last vouched for it (at each of its sweep ticks) before
+    this moment has lost its socket: UNSEEN_SWEEPS periods, so two missed ticks are not a loss."""
+    return now - timedelta(seconds=UNSEEN_SWEEPS * sweep_seconds)
 
 
 def placement_event_applies(kind: str, *, known: int, placement: int) -> bool:

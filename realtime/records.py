@@ -1,10 +1,14 @@
-"""The session rows' writes both admissions share: closing a session, and metering (one UsageRecord
-per slot held, its seconds counted when it ends)."""
+"""The session rows' writes both admissions share: closing a session (a socket's own close, or the
+sweep's of a row whose socket is gone), vouching for open sockets, and metering (one UsageRecord per
+slot held, its seconds counted when it ends)."""
 from __future__ import annotations
 
+from collections.abc import Collection
 from datetime import UTC, datetime, timedelta
+from typing import NamedTuple
 
 from django.db import transaction
+from django.db.models import QuerySet
 
 from realtime.models import OPEN_STATES, RealtimeSession, SessionState, UsageRecord
 
@@ -21,9 +25,11 @@ def usage_open(*, account_id: int, model_id: str, session_id: str, worker_id: st
 
 
 def usage_close(*, session_id: str, now: datetime) -> None:
+    """Metering of the session stops at `now` (never before a record's start)."""
     for record in UsageRecord.objects.filter(session__id=session_id, ended_at__isnull=True):
-        seconds = max(0.0, (now - record.started_at).total_seconds())
-        UsageRecord.objects.filter(pk=record.pk, ended_at__isnull=True).update(ended_at=now, seconds=seconds)
+        ended = max(now, record.started_at)
+        UsageRecord.objects.filter(pk=record.pk, ended_at__isnull=True).update(
+            ended_at=ended, seconds=(ended - record.started_at).total_seconds())
 
 
 def session_row_close(*, session_id: str, now: datetime) -> None:
@@ -32,3 +38,44 @@ def session_row_close(*, session_id: str, now: datetime) -> None:
         RealtimeSession.objects.filter(id=session_id, state__in=OPEN_STATES).update(
             state=SessionState.CLOSED, closed_at=now, worker_id=None)
         usage_close(session_id=session_id, now=now)
+
+
+def sessions_vouch(*, session_ids: Collection[str], now: datetime) -> list[str]:
+    """This process holds these sessions' browser sockets: their open rows are seen now. The ids
+    among them whose rows are no longer open (closed without their socket's say-so)."""
+    if not session_ids:
+        return []
+    seen = RealtimeSession.objects.filter(id__in=session_ids, state__in=OPEN_STATES).update(seen_at=now)
+    if seen == len(session_ids):
+        return []
+    still_open = {str(sid) for sid in RealtimeSession.objects.filter(id__in=session_ids, state__in=OPEN_STATES)
+                  .values_list("id", flat=True)}
+    return [sid for sid in session_ids if sid not in still_open]
+
+
+class Unseen(NamedTuple):
+    """An open row whose socket is gone, as it was when the sweep closed it."""
+
+    session_id: str
+    state: str
+    worker_id: str | None
+    joined_at: datetime
+
+
+def sessions_unseen_close(sessions: QuerySet[RealtimeSession], *, seen_before: datetime,
+                          now: datetime) -> list[Unseen]:
+    """Close the open rows of `sessions` whose socket's process last vouched for them before
+    `seen_before` (their socket is gone: its close failed); each by compare-and-set on its `seen_at`,
+    so a row vouched for meanwhile stays open. Metering stops when it was last seen. A null
+    `seen_at` (a row of a version that did not vouch) is left alone."""
+    closed: list[Unseen] = []
+    for session_id, state, worker_id, joined_at, seen_at in sessions.filter(
+            state__in=OPEN_STATES, seen_at__lt=seen_before).values_list(
+            "id", "state", "worker_id", "joined_at", "seen_at"):
+        with transaction.atomic():
+            if RealtimeSession.objects.filter(id=session_id, state=state, seen_at=seen_at).update(
+                    state=SessionState.CLOSED, closed_at=now, worker_id=None) != 1:
+                continue
+            usage_close(session_id=str(session_id), now=seen_at or now)  # (the filter left no null)
+        closed.append(Unseen(str(session_id), state, worker_id, joined_at))
+    return closed

@@ -12,16 +12,17 @@ from django.db import transaction
 
 from models_registry.selectors import registered_manifests
 from potocolom.protocol.browser import Idle
+from potocolom.protocol.events import SessionEnd as SessionEndEvent
 from potocolom.protocol.events import SessionLive
 from potocolom.protocol.worker import ModelEntry
 from potocolom.signals import work_ended, work_waiting
-from potocolom.transport.notify import to_socket_after_commit
+from potocolom.transport.notify import notify_after_commit, to_socket_after_commit
 from realtime import policy
 from realtime.admission import admission, board
 from realtime.board import LIVE
 from realtime.model_choice import pick_session_model
 from realtime.models import RealtimeSession, SessionState
-from realtime.records import usage_close
+from realtime.records import sessions_vouch, usage_close
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,12 @@ def session_close(*, session_id: str, now: datetime) -> None:
     session_end), metering stops, and the slot goes to the next session."""
     admission().close(session_id=session_id, now=now)
     work_ended.send(sender=RealtimeSession, worker_id=None)  # placement: its model may be idle now
+
+
+def session_forget(*, session_id: str) -> None:
+    """The browser socket closed but session_close failed (the database): this process stops
+    vouching for the session, so the sweep closes its row and stops its metering (no database here)."""
+    admission().forget(session_id=session_id)
 
 
 def session_end(*, session_id: str, now: datetime) -> bool:
@@ -142,12 +149,25 @@ def session_release_idle(*, session_id: str, now: datetime) -> bool:
 
 
 def sessions_sweep(*, now: datetime) -> None:
-    """The periodic sweep (SESSION_SWEEP_SECONDS): the idle rule for this process's live sessions
-    (it alone sees their input), then the admission's own sweep."""
+    """The periodic sweep (SESSION_SWEEP_SECONDS): this process vouches for the sockets it holds,
+    the idle rule runs for its live sessions (it alone sees their input), then the admission's own
+    sweep (which closes rows nobody vouched for within the bound)."""
     current = admission()
+    sessions_vouch_here(now=now)
     for session_id in current.board.idle_candidates(now=now, idle_seconds=settings.SESSION_IDLE_SECONDS):
         session_release_idle(session_id=session_id, now=now)
     current.sweep(now=now)
+
+
+def sessions_vouch_here(*, now: datetime) -> None:
+    """The rows of the sessions whose browser sockets this process holds are seen now. A socket
+    whose row was closed without its say-so (taken for gone) is ended: its browser reconnects."""
+    current = admission()
+    for session_id in sessions_vouch(session_ids=current.board.own_sessions(), now=now):
+        browser = current.board.own_browser(session_id)
+        if browser is not None:
+            log.warning("session %s was closed while its socket is open here: ending the socket", session_id)
+            notify_after_commit(browser, SessionEndEvent().to_event())
 
 
 def session_live_here(*, session_id: str, live: SessionLive, now: datetime) -> bool:

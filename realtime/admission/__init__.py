@@ -34,6 +34,11 @@ class SessionAdmission(Protocol):
 
     def close(self, *, session_id: str, now: datetime) -> None: ...
 
+    def forget(self, *, session_id: str) -> None:
+        """This process no longer holds the session's socket (no database: its close failed, and the
+        sweep closes its row once nobody vouches for it)."""
+        ...
+
     def end(self, *, session_id: str, now: datetime) -> bool: ...
 
     def admit(self, *, now: datetime, joined: Collection[str] = (), left: Collection[QueueKey] = ()) -> list[Placement]:

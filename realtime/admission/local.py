@@ -22,7 +22,7 @@ from realtime.board import LIVE, PLACING, QUEUED, SessionBoard, SessionEntry
 from realtime.errors import SessionLimitReached
 from realtime.models import HOLDING_STATES, OPEN_STATES, RealtimeSession, SessionState
 from realtime.policy import Placement, QueueKey, SlotKey
-from realtime.records import session_row_close, to_microseconds, usage_close, usage_open
+from realtime.records import Unseen, session_row_close, sessions_unseen_close, to_microseconds, usage_close, usage_open
 
 log = logging.getLogger(__name__)
 
@@ -58,15 +58,20 @@ class LocalAdmission:
              now: datetime) -> RealtimeSession:
         with self._join_lock, transaction.atomic():
             User.objects.select_for_update().filter(pk=account.pk).values_list("pk", flat=True).first()
+            unseen = self._close_unseen(RealtimeSession.objects.filter(account=account), now=now)
             held = RealtimeSession.objects.filter(account=account, state__in=OPEN_STATES).count()
             if held >= settings.ACCOUNT_SESSION_LIMIT:
                 raise SessionLimitReached(f"the account already holds {held} sessions")
             session = RealtimeSession.objects.create(account=account, model_id=model_id, params=params,
-                                                     joined_at=now, channel_name=channel_name)
+                                                     joined_at=now, channel_name=channel_name, seen_at=now)
+        self._ended_unseen(unseen)
         self.board.add(SessionEntry(str(session.id), account.pk, model_id, to_microseconds(now), params),
                        browser=channel_name)
         self.admit(now=now)
         return session
+
+    def forget(self, *, session_id: str) -> None:
+        self.board.remove(session_id)
 
     def close(self, *, session_id: str, now: datetime) -> None:
         entry, route = self.board.remove(session_id)
@@ -156,9 +161,26 @@ class LocalAdmission:
         self.admit(now=now)
 
     def sweep(self, *, now: datetime) -> None:
-        """Refusals are forgotten and admission runs."""
+        """Refusals are forgotten, rows whose sockets are gone close, and admission runs."""
         self.board.forget_refusals()
+        self._ended_unseen(self._close_unseen(RealtimeSession.objects.all(), now=now))
         self.admit(now=now)
+
+    def _close_unseen(self, sessions: Any, *, now: datetime) -> list[Unseen]:
+        """Close the open rows (of the queryset `sessions`) no socket of this process holds and
+        none has vouched for within the bound: their sockets closed, but not their rows."""
+        seen_before = policy.unseen_before(now, sweep_seconds=settings.SESSION_SWEEP_SECONDS)
+        closed = sessions_unseen_close(sessions.exclude(id__in=self.board.own_sessions()), seen_before=seen_before,
+                                       now=now)
+        if closed:
+            log.warning("closed %d sessions whose browser sockets are gone", len(closed))
+        return closed
+
+    def _ended_unseen(self, closed: list[Unseen]) -> None:
+        """After the commit, the workers holding sessions closed as unseen get session_end."""
+        for gone in closed:
+            if gone.state in HOLDING_STATES:
+                self.end_on_worker(gone.worker_id, gone.session_id)
 
     # workers
 

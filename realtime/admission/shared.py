@@ -28,7 +28,7 @@ from realtime.board import SessionBoard, SessionEntry
 from realtime.errors import SessionLimitReached
 from realtime.models import HOLDING_STATES, OPEN_STATES, RealtimeSession, SessionState
 from realtime.policy import Placement, QueuedSession, QueueKey, SlotKey
-from realtime.records import session_row_close, to_microseconds, usage_close, usage_open
+from realtime.records import session_row_close, sessions_unseen_close, to_microseconds, usage_close, usage_open
 from workers import selectors as worker_rows
 
 log = logging.getLogger(__name__)
@@ -200,7 +200,7 @@ class SharedAdmission:
                                         now=now) or now
             session = RealtimeSession.objects.create(id=session_id, account=account, model_id=model_id,
                                                      params=params, joined_at=joined, channel_name=channel_name,
-                                                     api_process=key)
+                                                     api_process=key, seen_at=now)
         for worker_id, ended_id in orphans:
             self.end_on_worker(worker_id, ended_id)
         self.board.add(SessionEntry(str(session.id), account.pk, model_id, to_microseconds(joined), params),
@@ -233,9 +233,10 @@ class SharedAdmission:
     def _close_orphans(self, sessions: Any, *, now: datetime,
                        resumable: bool = True) -> tuple[list[tuple[str | None, str]], list[QueueKey]]:
         """Close the open sessions (of the queryset `sessions`) whose process is gone, noting when (their
-        browsers' reconnects may take their places, unless not `resumable`); the (worker, session) pairs
-        that held a slot, whose workers must get session_end after the commit, and the queue keys of
-        those that were queued."""
+        browsers' reconnects may take their places, unless not `resumable`), then those whose socket is
+        gone though their process lives (`_close_unseen`); the (worker, session) pairs that held a slot,
+        whose workers must get session_end after the commit, and the queue keys of those that were
+        queued."""
         if worker_rows.database_up_for_less_than(seconds=presence_grace_seconds(), now=now):
             return [], []  # the processes are taking their presence locks back after a restart of the database
         alive = alive_processes()
@@ -252,7 +253,26 @@ class SharedAdmission:
                 ended.append((worker_id, str(session_id)))
         if ended or left:
             log.info("closed %d sessions of API processes that are gone", len(ended) + len(left))
-        return ended, left
+        unseen_ended, unseen_left = self._close_unseen(sessions, now=now)
+        return ended + unseen_ended, left + unseen_left
+
+    def _close_unseen(self, sessions: Any, *, now: datetime) -> tuple[list[tuple[str | None, str]], list[QueueKey]]:
+        """Close the open sessions (of `sessions`) that no process has vouched for within the bound,
+        whichever process holds them: their sockets closed but their rows did not (the close failed).
+        A process vouches for its own sockets' rows at each of its sweep ticks, so another live
+        process's sessions stay open. As `_close_orphans`, without a place to resume."""
+        seen_before = policy.unseen_before(now, sweep_seconds=settings.SESSION_SWEEP_SECONDS)
+        closed = sessions_unseen_close(sessions.exclude(id__in=self.board.own_sessions()), seen_before=seen_before,
+                                       now=now)
+        if closed:
+            log.warning("closed %d sessions whose browser sockets are gone", len(closed))
+        return ([(gone.worker_id, gone.session_id) for gone in closed if gone.state in HOLDING_STATES],
+                [(to_microseconds(gone.joined_at), gone.session_id) for gone in closed
+                 if gone.state == SessionState.QUEUED])
+
+    def forget(self, *, session_id: str) -> None:
+        self.board.remove(session_id)
+        self.places.forget(session_id)
 
     def close(self, *, session_id: str, now: datetime) -> None:
         """The browser socket closed: the row closes; a worker holding it gets session_end."""
