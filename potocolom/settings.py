@@ -165,7 +165,8 @@ MAX_IMAGE_PIXELS = envint("MAX_IMAGE_PIXELS", 4194304, minimum=1)
 # Caps for a model whose params_schema sets no maximum of its own.
 MAX_IMAGE_SIDE = envint("MAX_IMAGE_SIDE", 2048, minimum=8)
 MAX_STEPS = envint("MAX_STEPS", 150, minimum=1)
-LOGIN_FAILURE_LIMIT = envint("LOGIN_FAILURE_LIMIT", 10, minimum=1)
+LOGIN_FAILURE_LIMIT = envint("LOGIN_FAILURE_LIMIT", 10, minimum=1)  # per username (normalised) and address
+LOGIN_ADDRESS_FAILURE_LIMIT = envint("LOGIN_ADDRESS_FAILURE_LIMIT", 50, minimum=1)  # per address, any usernames
 LOGIN_FAILURE_SECONDS = 15 * 60  # the window the failures are counted in, and the lockout after them
 # PostgreSQL's connect, statement and lock timeouts, and Redis's (0: none): waiting longer answers 503.
 DATABASE_TIMEOUT_SECONDS = envint("DATABASE_TIMEOUT_SECONDS", 5, minimum=0)
@@ -201,7 +202,7 @@ MIDDLEWARE = [
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
-    # Too many failed logins for one username and address: that pair answers 429 for a while.
+    # Too many failed logins for one username and address, or from one address: 429 for a while.
     "potocolom.web.logins.LoginFailureMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
