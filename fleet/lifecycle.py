@@ -13,6 +13,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from fleet.placement.runner import placement_wake
+from models_registry.selectors import registered_ids
 from potocolom import metrics
 from potocolom.protocol.worker import PROTOCOL_V2, Hello, ModelEntry
 from potocolom.runtime import Slot, runtime
@@ -104,7 +105,7 @@ def worker_model_loaded(*, worker_id: str, entry: ModelEntry, gpu: Any, channel_
     """model_loaded: the worker serves the model from now on: its jobs are dispatched there and its
     realtime slots join admission."""
     registered, seconds = services.worker_model_loaded(worker_id=worker_id, entry=entry, gpu=gpu, now=now)
-    metrics.model_load_finished(model_id=entry.model_id, outcome="loaded", seconds=seconds)
+    metrics.model_load_finished(model_id=entry.model_id, registered=registered, outcome="loaded", seconds=seconds)
     if registered:
         jobs.worker_model_serve(worker_id=worker_id, channel_name=channel_name, model_id=entry.model_id, now=now,
                                 rung=entry.rung)
@@ -115,7 +116,8 @@ def worker_model_loaded(*, worker_id: str, entry: ModelEntry, gpu: Any, channel_
 def worker_model_load_failed(*, worker_id: str, model_id: str, error: str, gpu: Any, now: datetime) -> None:
     """model_load_failed: nothing was sent there for it; placement tries another worker."""
     seconds = services.worker_model_load_failed(worker_id=worker_id, model_id=model_id, error=error, gpu=gpu, now=now)
-    metrics.model_load_finished(model_id=model_id, outcome="failed", seconds=seconds)
+    metrics.model_load_finished(model_id=model_id, registered=bool(registered_ids([model_id])), outcome="failed",
+                                seconds=seconds)
     placement_soon()
 
 

@@ -17,6 +17,7 @@ from rest_framework.renderers import JSONRenderer
 from rest_framework.request import Request
 from rest_framework.views import APIView
 
+from models_registry.selectors import registered_ids
 from potocolom.web.metrics_access import MetricsTokenAuthentication, PlainTextRenderer, StaffOrMetricsScraper
 from realtime import selectors as session_reads
 from scheduling import selectors as job_reads
@@ -33,6 +34,10 @@ class StateCollector:
 
     def collect(self) -> Iterator[Metric]:
         jobs = job_reads.jobs_per_model_and_state()
+        slots_of = session_reads.slots_per_model()
+        # a model_id label is a registered model's: what a worker names, the registry does not know, is left out
+        known = registered_ids(sorted({model_id for model_id, _ in jobs} | slots_of.keys()))
+        jobs = {key: count for key, count in jobs.items() if key[0] in known}
         queued = GaugeMetricFamily("potocolom_jobs_queued", "Jobs waiting for a worker, per model",
                                    labels=["model_id"])
         for model_id in sorted({model_id for model_id, _ in jobs}):
@@ -50,7 +55,9 @@ class StateCollector:
         yield sessions
         slots = GaugeMetricFamily("potocolom_realtime_slots", "Realtime slots of connected workers, per model",
                                   labels=["model_id", "state"])
-        for model_id, (free, used) in session_reads.slots_per_model().items():
+        for model_id, (free, used) in slots_of.items():
+            if model_id not in known:
+                continue
             slots.add_metric([model_id, "free"], free)
             slots.add_metric([model_id, "used"], used)
         yield slots

@@ -58,9 +58,12 @@ def frame_seconds_of(model_id: str) -> Histogram:
     return FRAME_SECONDS.labels(model_id)
 
 
-def model_load_finished(*, model_id: str, outcome: ModelLoadOutcome, seconds: float | None) -> None:
-    """A worker reported a load (model_loaded or model_load_failed); a load's time when it said one."""
-    MODEL_LOADS.labels(model_id, outcome).inc()
+def model_load_finished(*, model_id: str, registered: bool, outcome: ModelLoadOutcome, seconds: float | None) -> None:
+    """A worker reported a load (model_loaded or model_load_failed); a load's time when it said one.
+    A model the registry does not know counts in no series: a worker never makes one (any string
+    may be a model id, so no fixed label could stand for all of them without meeting a real one)."""
+    if registered:
+        MODEL_LOADS.labels(model_id, outcome).inc()
     if seconds is not None:
         MODEL_LOAD_SECONDS.observe(max(0.0, seconds))
 

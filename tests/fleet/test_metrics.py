@@ -150,6 +150,35 @@ def test_the_model_load_series_are_declared_before_any_load(olga):
             if sample.name == "potocolom_preemptions_total"} == {"pause", "drain", "priority", "move"}
 
 
+async def _load_failures_of(account, model_id: str, at_least: float) -> bool:
+    return ((await scrape(account)).value("potocolom_model_loads_total", model_id=model_id, outcome="failed")
+            or 0.0) >= at_least
+
+
+def _model_ids(metrics: Scrape) -> set[str]:
+    return {sample.labels["model_id"] for family in metrics.families.values() for sample in family.samples
+            if "model_id" in sample.labels}
+
+
+async def test_a_worker_naming_models_the_registry_does_not_know_creates_no_series(olga, v2_workers):
+    worker = v2_workers()
+    await worker.join(["tiny-a"])
+    before = await scrape(olga)
+    failed_before = before.value("potocolom_model_loads_total", model_id="tiny-a", outcome="failed") or 0.0
+    ghost = {"rung": "full", "realtime": True, "frame_ms_p95": 40.0, "realtime_slots": 3}
+
+    await worker.send({"type": "model_loaded", "model_id": "ghost-loaded", **ghost, "gpu": None})
+    await worker.send({"type": "model_load_failed", "model_id": "ghost-failed", "error": "no", "gpu": None})
+    await worker.send({"type": "rung_changed", "model_id": "ghost-rung", **ghost})
+    await worker.send({"type": "model_load_failed", "model_id": "tiny-a", "error": "no", "gpu": None})
+    # the worker's messages are handled in order: once tiny-a's failure counts, the others were handled
+    await eventually(lambda: _load_failures_of(olga, "tiny-a", failed_before + 1))
+
+    after = await scrape(olga)
+    assert _model_ids(after) - _model_ids(before) == set()
+    assert not [name for name in _model_ids(after) if name.startswith("ghost")]
+
+
 async def test_a_connected_worker_is_counted_and_its_dispatches_count_in_the_job_wait_histogram(
         alice, olga, v2_workers, settings):
     settings.JOB_DISPATCH_DEPTH = 2
