@@ -193,6 +193,11 @@ class SessionConsumer(RelayConsumer):
         await self.leave()
         await self.close(code=1000)
 
+    async def session_lost(self, event: dict[str, Any]) -> None:
+        """The session's row was closed without this socket (taken for gone): the page joins again."""
+        await self.leave()
+        await self.close(code=close_codes.SESSION_LOST)
+
     async def watch_idle(self) -> None:
         """Ask the service, at each moment the session could have gone idle, whether it has."""
         while self.session_id is not None:

@@ -12,8 +12,7 @@ from django.db import transaction
 
 from models_registry.selectors import registered_manifests
 from potocolom.protocol.browser import Idle
-from potocolom.protocol.events import SessionEnd as SessionEndEvent
-from potocolom.protocol.events import SessionLive
+from potocolom.protocol.events import SessionLive, SessionLost
 from potocolom.protocol.worker import ModelEntry
 from potocolom.signals import work_ended, work_waiting
 from potocolom.transport.notify import notify_after_commit, to_socket_after_commit
@@ -161,13 +160,13 @@ def sessions_sweep(*, now: datetime) -> None:
 
 def sessions_vouch_here(*, now: datetime) -> None:
     """The rows of the sessions whose browser sockets this process holds are seen now. A socket
-    whose row was closed without its say-so (taken for gone) is ended: its browser reconnects."""
+    whose row was closed without its say-so (taken for gone) is closed with 4010: its browser joins again."""
     current = admission()
     for session_id in sessions_vouch(session_ids=current.board.own_sessions(), now=now):
         browser = current.board.own_browser(session_id)
         if browser is not None:
             log.warning("session %s was closed while its socket is open here: ending the socket", session_id)
-            notify_after_commit(browser, SessionEndEvent().to_event())
+            notify_after_commit(browser, SessionLost().to_event())
 
 
 def session_live_here(*, session_id: str, live: SessionLive, now: datetime) -> bool:

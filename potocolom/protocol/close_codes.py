@@ -9,3 +9,4 @@ WORKER_ID_TAKEN = 4003  # worker: its worker_id belongs to another worker token
 NO_MODEL_FITS = 4004  # browser: no registered model fits the request
 SILENT = 4008  # worker: nothing received for 3 heartbeat periods
 MESSAGE_TOO_BIG = 4009  # browser: a message over 4 MiB
+SESSION_LOST = 4010  # browser: its session was closed without it (taken for gone): join again

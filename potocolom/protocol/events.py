@@ -209,6 +209,18 @@ class SessionEnd(Event):
         return cls()
 
 
+@dataclass(frozen=True)
+class SessionLost(Event):
+    """The session's row was closed while its socket was open (taken for gone): its consumer closes
+    the browser's socket with 4010, and the page joins again."""
+
+    type = "session.lost"
+
+    @classmethod
+    def parse(cls, event: dict[str, Any]) -> SessionLost:
+        return cls()
+
+
 # --- to every process (relay.notify_all_sync) -----------------------------------------------------
 
 QueueKeyWire = tuple[int, str]  # (joined_at in microseconds, session_id)

@@ -266,6 +266,7 @@ def test_it_reconnects_after_the_api_restarts_and_sends_the_canvas_again(
             expect(page.locator("#output")).to_have_attribute("src", re.compile(r"^data:image/png;base64,.+"),
                                                               timeout=WAIT_MS)
             first_output = page.locator("#output").get_attribute("src")
+            page.evaluate(RECORD_STATUSES)
 
             # The API dies; the page says so and keeps trying.
             stack.kill(api)
@@ -289,5 +290,29 @@ def test_it_reconnects_after_the_api_restarts_and_sends_the_canvas_again(
             expect(page.locator("#output")).not_to_have_attribute("src", first_output or "", timeout=WAIT_MS)
             seqs = [f["seq"] for f in worker.frames()]
             assert seqs == sorted(set(seqs)), "frame numbers keep growing across the reconnect"
+
+            # Each try waited a random time up to its doubling cap (full jitter); and, the session live
+            # again, the next drop starts the backoff afresh (its first wait under the first cap).
+            waits = reconnect_waits(page)
+            assert len(waits) >= 2 and all(w <= min(15.0, 0.5 * 2**n) for n, w in enumerate(waits)), waits
+            page.evaluate(RECORD_STATUSES)
+            stack.kill(next(p for p in stack.processes if p.name == "daphne"))
+            expect(page.locator("#status")).to_contain_text("Reconnecting in", timeout=WAIT_MS)
+            assert reconnect_waits(page)[0] <= 0.5
         finally:
             chromium.close()
+
+
+# Keeps every text the status line shows (the page replaces it between tries).
+RECORD_STATUSES = """() => {
+  const status = document.getElementById('status');
+  window.statuses = [];
+  new MutationObserver(() => window.statuses.push(status.textContent))
+    .observe(status, {childList: true, characterData: true, subtree: true});
+}"""
+
+
+def reconnect_waits(page: Any) -> list[float]:
+    """The waits the status line announced ("Reconnecting in X s…") since RECORD_STATUSES, in order."""
+    texts = page.evaluate("() => window.statuses")
+    return [float(m.group(1)) for text in texts if (m := re.search(r"Reconnecting in (\d+\.\d) s", text))]

@@ -32,7 +32,10 @@
     4004: "No drawing model fits this request.",
     1000: "The session was ended.",
   };
-  const OTHER_CLOSES = { 4009: "A frame was too large to send." };
+  const OTHER_CLOSES = {
+    4009: "A frame was too large to send.",
+    4010: "The session was lost.", // taken for gone while this page held it: join again
+  };
   // Tabs of this browser tell each other when one ends its session, so one waiting at the account's
   // limit starts at once instead of at its next retry.
   const tabs = "BroadcastChannel" in window ? new BroadcastChannel("potocolom-drawing") : null;
@@ -43,7 +46,9 @@
   let inFlight = null; // {seq, timer} of the frame awaiting its result
   let dirty = false; // the canvas or the params changed since the last frame sent
   let drawn = false; // something was drawn: a new socket gets the current canvas at once
-  let retries = 0;
+  // Started afresh only when the session goes live again (reconnect.js); a socket that is accepted,
+  // even told it is queued, and then dropped keeps backing off.
+  const backoff = window.potocolomReconnect.Backoff(BACKOFF_FIRST_MS, BACKOFF_MAX_MS);
   let retryTimer = null;
   let atLimit = false; // the last socket was closed with 4003: waiting for a session of this account to end
   const sentAt = new Map(); // seq -> when it was sent (the newest few): a result's latency
@@ -199,11 +204,11 @@
     } catch (err) {
       return;
     }
-    retries = 0; // the server answered: a later drop starts the backoff afresh
     if (message.type === "frame") {
       showFrame(message);
     } else if (message.type === "state" && stateText(message) !== null) {
       atLimit = false;
+      if (message.state === "live") backoff.live(); // a later drop starts the backoff afresh
       setStatus(stateText(message), message.state);
     } else if (message.type === "error") {
       console.warn("the server did not take a message:", message.error);
@@ -224,8 +229,7 @@
       setStatus(FINAL_CLOSES[event.code], "closed");
       return;
     }
-    const delay = Math.min(BACKOFF_MAX_MS, BACKOFF_FIRST_MS * 2 ** retries);
-    retries += 1;
+    const delay = backoff.next();
     const why = OTHER_CLOSES[event.code] || "The connection was lost (code " + event.code + ").";
     setStatus(why + " Reconnecting in " + (delay / 1000).toFixed(1) + " s…", "closed");
     retryTimer = setTimeout(connect, delay);
@@ -272,7 +276,7 @@
     changed();
   });
   modelSelect.addEventListener("change", () => {
-    retries = 0;
+    backoff.live(); // a choice of the person, not a drop
     connect();
   });
 

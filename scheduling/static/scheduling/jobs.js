@@ -14,6 +14,7 @@
 
   const BACKOFF_FIRST_MS = 500;
   const BACKOFF_MAX_MS = 15000;
+  const STABLE_MS = 10000; // a socket open this long proved itself: a later drop starts the backoff afresh
   const LIST_PAGE = "/api/v1/jobs/";
   const ENDED = new Set(["succeeded", "failed", "cancelled"]);
   const STATE_WORDS = {
@@ -30,7 +31,11 @@
   const jobs = new Map(); // id -> the latest job representation
   const previews = new Map(); // id -> the latest preview (never stored anywhere else)
   let socket = null;
-  let retries = 0;
+  // Started afresh only once a socket stayed open STABLE_MS (reconnect.js): the feed may carry no
+  // message for long, so a message is no sign; and a bare open is none either (a server that accepts
+  // and drops at once would be retried without pause).
+  const backoff = window.potocolomReconnect.Backoff(BACKOFF_FIRST_MS, BACKOFF_MAX_MS);
+  let stableTimer = null;
 
   // --- rendering -----------------------------------------------------------------------------
 
@@ -224,7 +229,7 @@
     const sock = new WebSocket(scheme + "//" + location.host + root.dataset.socket);
     socket = sock;
     sock.addEventListener("open", () => {
-      retries = 0;
+      stableTimer = setTimeout(backoff.live, STABLE_MS);
       feed.textContent = "Following your jobs live.";
       feed.className = "status live";
       loadList(); // what changed while the socket was away
@@ -242,13 +247,13 @@
     sock.addEventListener("close", (event) => {
       if (sock !== socket) return;
       socket = null;
+      clearTimeout(stableTimer);
       if (event.code in FINAL_CLOSES) {
         feed.textContent = FINAL_CLOSES[event.code];
         feed.className = "status closed";
         return;
       }
-      const delay = Math.min(BACKOFF_MAX_MS, BACKOFF_FIRST_MS * 2 ** retries);
-      retries += 1;
+      const delay = backoff.next();
       feed.textContent = "Live updates lost: reconnecting in " + (delay / 1000).toFixed(1) + " s…";
       feed.className = "status closed";
       setTimeout(connect, delay);
