@@ -1,17 +1,21 @@
-"""Operators' view of workers (connected, models, jobs in flight) and their credentials."""
+"""Operators' view of workers (connected, models, jobs in flight; read-only) and their credentials."""
 from __future__ import annotations
 
 from django.contrib import admin, messages
 from django.db.models import QuerySet
 from django.http import HttpRequest
 
+from potocolom.web.read_only import ReadOnlyAdmin
 from scheduling.models import HELD_STATES, Job
 from workers.models import PlacementRecord, Worker, WorkerToken
 from workers.services import worker_tokens_revoke
 
 
 @admin.register(Worker)
-class WorkerAdmin(admin.ModelAdmin):
+class WorkerAdmin(ReadOnlyAdmin):
+    """Read-only: a worker's row is its hello's and heartbeats' (workers.services); its credential
+    is revoked on the worker tokens' page."""
+
     # `token`: the credential this worker_id is bound to (None once that token was revoked).
     list_display = ["worker_id", "token", "connected", "models_served", "models_installed", "jobs_in_flight",
                     "gpu_memory", "last_seen"]
@@ -51,9 +55,6 @@ class WorkerAdmin(admin.ModelAdmin):
         jobs = Job.objects.filter(worker_id=worker.worker_id, state__in=HELD_STATES).values_list("id", "state")
         return ", ".join(f"{job_id} ({state})" for job_id, state in jobs) or "none"
 
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
 
 @admin.register(WorkerToken)
 class WorkerTokenAdmin(admin.ModelAdmin):
@@ -72,7 +73,7 @@ class WorkerTokenAdmin(admin.ModelAdmin):
 
 
 @admin.register(PlacementRecord)
-class PlacementRecordAdmin(admin.ModelAdmin):
+class PlacementRecordAdmin(ReadOnlyAdmin):
     """What placement asked of workers and why (read-only: placement writes these)."""
 
     list_display = ["sent_at", "action", "model_id", "worker_id", "rung", "outcome_shown", "duration", "reason"]
@@ -89,9 +90,3 @@ class PlacementRecordAdmin(admin.ModelAdmin):
     def duration(self, record: PlacementRecord) -> str:
         seconds = record.duration_seconds
         return "" if seconds is None else f"{seconds:.1f} s"
-
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: PlacementRecord | None = None) -> bool:
-        return False

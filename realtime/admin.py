@@ -1,5 +1,5 @@
 """Operators' view of sessions (the admission queue in order with positions, live sessions per
-worker, an action to end sessions) and of metering."""
+worker, an action to end sessions) and of metering; read-only pages."""
 from __future__ import annotations
 
 from typing import Any
@@ -9,6 +9,7 @@ from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.utils import timezone
 
+from potocolom.web.read_only import ReadOnlyAdmin
 from realtime import selectors, services
 from realtime.models import RealtimeSession, SessionState, UsageRecord
 
@@ -32,7 +33,9 @@ class SessionViewFilter(admin.SimpleListFilter):
 
 
 @admin.register(RealtimeSession)
-class RealtimeSessionAdmin(admin.ModelAdmin):
+class RealtimeSessionAdmin(ReadOnlyAdmin):
+    """Read-only: admission and the session services write sessions; ending one is the action."""
+
     list_display = ["id", "account", "model_id", "state", "position", "worker_id", "free_slots", "joined_at",
                     "live_since", "closed_at"]
     list_filter = [SessionViewFilter, "state", "model_id", "worker_id"]
@@ -60,16 +63,10 @@ class RealtimeSessionAdmin(admin.ModelAdmin):
         ended = sum(1 for session in queryset if services.session_end(session_id=str(session.id), now=timezone.now()))
         self.message_user(request, f"ended {ended} session(s)", messages.SUCCESS)
 
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
 
 @admin.register(UsageRecord)
-class UsageRecordAdmin(admin.ModelAdmin):
+class UsageRecordAdmin(ReadOnlyAdmin):
     list_display = ["account", "model_id", "session", "worker_id", "started_at", "ended_at", "seconds"]
     list_filter = ["model_id", "account"]
     search_fields = ["account__username", "model_id"]
     readonly_fields = [f.name for f in UsageRecord._meta.fields]
-
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False

@@ -18,6 +18,7 @@ from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 
+from potocolom.web.read_only import ReadOnlyAdmin
 from scheduling import selectors, services
 from scheduling.errors import JobAlreadyEnded, JobNotPaused
 from scheduling.images import INIT_IMAGE, init_image_content
@@ -66,7 +67,7 @@ def _in_queue_order(request: HttpRequest) -> bool:
 
 
 @admin.register(Job)
-class JobAdmin(admin.ModelAdmin):
+class JobAdmin(ReadOnlyAdmin):
     """Jobs are written by their services, never by this form: the job page is read-only (no Save),
     and what an operator may do to a job is the actions."""
 
@@ -110,12 +111,6 @@ class JobAdmin(admin.ModelAdmin):
         # annotated before the ordering that names it (ModelAdmin.get_queryset orders at once)
         return (Job._default_manager.defer("params").select_related("account").annotate(queue_place=place)
                 .order_by(*self.get_ordering(request)))
-
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Job | None = None) -> bool:
-        return False  # the job page is a view: Django then shows no Save buttons and accepts no POST
 
     def get_urls(self) -> list[URLPattern]:
         view = self.admin_site.admin_view  # staff only, as every admin page

@@ -78,3 +78,80 @@ def test_it_shows_each_workers_models_with_their_rungs(staff_client: Client) -> 
 
     assert "tiny-a (full, 3 realtime slots)" in page and "big-b (group_offload)" in page
     assert "NVIDIA H200: 140000 of 143771 MiB free" in page
+
+
+# --- read-only pages: state changes go through the actions and services, never a Save button ----------
+
+def _rows(alice) -> dict[str, tuple[str, object]]:
+    """One row of each read-only page: (the page's path, the row)."""
+    from realtime.models import RealtimeSession, UsageRecord
+    from scheduling.models import Job
+    from workers.models import PlacementRecord, Worker
+
+    now = timezone.now()
+    register_model("model-a")
+    session = RealtimeSession.objects.create(account=alice, model_id="model-a", joined_at=now)
+    rows = {
+        "worker": Worker.objects.create(worker_id="host-a:0", connected=True, served_models=[]),
+        "realtimesession": session,
+        "placementrecord": PlacementRecord.objects.create(worker_id="host-a:0", model_id="model-a", action="load",
+                                                          reason="queue", sent_at=now),
+        "job": Job.objects.create(account=alice, model_id="model-a", params={"prompt": "x"}, created_at=now,
+                                  submitted_us=1),
+        "usagerecord": UsageRecord.objects.create(account=alice, model_id="model-a", session=session, started_at=now,
+                                                  ended_at=now, seconds=1.5),
+    }
+    apps = {"worker": "workers", "placementrecord": "workers", "job": "scheduling", "realtimesession": "realtime",
+            "usagerecord": "realtime"}
+    return {name: (f"/admin/{apps[name]}/{name}/{row.pk}/", row) for name, row in rows.items()}
+
+
+def _fields(row) -> dict:
+    return {field.attname: getattr(row, field.attname) for field in row._meta.fields}
+
+
+@pytest.mark.parametrize("kind", ["worker", "realtimesession", "placementrecord", "job", "usagerecord"])
+def test_a_read_only_page_has_no_save_button_and_no_delete(staff_client: Client, alice, kind) -> None:
+    path, _ = _rows(alice)[kind]
+
+    page = staff_client.get(path + "change/")
+
+    assert page.status_code == 200
+    text = page.content.decode()
+    assert not [name for name in ("_save", "_continue", "_addanother") if f'name="{name}"' in text]
+    assert f'href="{path}delete/"' not in text and 'value="delete_selected"' not in staff_client.get(
+        path.rsplit("/", 2)[0] + "/").content.decode()
+
+
+@pytest.mark.parametrize("kind", ["worker", "realtimesession", "placementrecord", "job", "usagerecord"])
+def test_a_staff_post_to_a_read_only_page_changes_nothing(staff_client: Client, alice, kind) -> None:
+    path, row = _rows(alice)[kind]
+    before = _fields(row)
+    edited = {name: "changed" for name in before if name not in ("id", "account_id", "session_id")}
+
+    assert staff_client.post(path + "change/", {**edited, "_save": "Save"}).status_code == 403
+    assert staff_client.post(path + "delete/", {"post": "yes"}).status_code == 403
+    changelist = path.rsplit("/", 2)[0] + "/"
+    staff_client.post(changelist, {"action": "delete_selected", "_selected_action": [str(row.pk)], "post": "yes"})
+
+    row.refresh_from_db()
+    assert _fields(row) == before
+
+
+def test_the_actions_stay_on_the_read_only_pages(staff_client: Client, alice) -> None:
+    from realtime.models import SessionState
+
+    paths = _rows(alice)
+    session_path, session = paths["realtimesession"]
+    job_path, job = paths["job"]
+
+    for changelist, action in [(job_path.rsplit("/", 2)[0] + "/", "pause_jobs"),
+                               (session_path.rsplit("/", 2)[0] + "/", "end_sessions")]:
+        assert f'value="{action}"' in staff_client.get(changelist).content.decode()
+    staff_client.post(job_path.rsplit("/", 2)[0] + "/", {"action": "pause_jobs", "_selected_action": [str(job.pk)]})
+    staff_client.post(session_path.rsplit("/", 2)[0] + "/", {"action": "end_sessions",
+                                                             "_selected_action": [str(session.pk)]})
+
+    job.refresh_from_db()
+    session.refresh_from_db()
+    assert job.state == "paused" and session.state == SessionState.CLOSED
