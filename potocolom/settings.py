@@ -140,13 +140,21 @@ DEAD_WORKER_SWEEP = envbool("DEAD_WORKER_SWEEP", True)
 BROWSER_MESSAGE_MAX_BYTES = 4 * 1024 * 1024
 
 # Webhooks (scheduling/webhooks/, docs/operations.md): attempts per event (backoff 1, 2, 4 ... s),
-# each bounded by WEBHOOK_TIMEOUT_SECONDS; at most WEBHOOK_SENDERS at once per API process. A host
-# resolving to a loopback, private, link-local (or otherwise non-public) address is refused unless
-# WEBHOOK_ALLOW_PRIVATE (a receiver on the same machine or network: development, tests).
+# each bounded by WEBHOOK_TIMEOUT_SECONDS; per API process at most WEBHOOK_CONCURRENCY at once per
+# account and WEBHOOK_SENDERS in all, and at most WEBHOOK_LOOKUPS_PER_ACCOUNT host lookups per account
+# (one more: 429). A host with an address that is not globally reachable is refused unless
+# WEBHOOK_ALLOW_PRIVATE lets its loopback, private or link-local address through (a receiver on the
+# same machine or network: development, tests); a public one may use ports 80, 443 and WEBHOOK_PORTS.
 WEBHOOK_ATTEMPTS = envint("WEBHOOK_ATTEMPTS", 6, minimum=1)
 WEBHOOK_TIMEOUT_SECONDS = envfloat("WEBHOOK_TIMEOUT_SECONDS", 10.0)
-WEBHOOK_SENDERS = envint("WEBHOOK_SENDERS", 4, minimum=1)
+WEBHOOK_SENDERS = envint("WEBHOOK_SENDERS", 16, minimum=1)
+WEBHOOK_CONCURRENCY = envint("WEBHOOK_CONCURRENCY", 2, minimum=1)
+WEBHOOK_LOOKUPS_PER_ACCOUNT = envint("WEBHOOK_LOOKUPS_PER_ACCOUNT", 4, minimum=1)
 WEBHOOK_ALLOW_PRIVATE = envbool("WEBHOOK_ALLOW_PRIVATE", False)
+WEBHOOK_PORTS = [int(port) for port in envlist("WEBHOOK_PORTS", "") if port.isdigit() and 0 < int(port) < 65536]
+if len(WEBHOOK_PORTS) != len(envlist("WEBHOOK_PORTS", "")):
+    raise ImproperlyConfigured(f"WEBHOOK_PORTS must list ports (1 to 65535) separated by commas, "
+                               f"got {envstr('WEBHOOK_PORTS', '')!r}")
 # How webhook hosts are looked up: a callable (host, port) -> addresses, or its dotted path. Not an
 # environment setting: the one seam where tests put a resolver of their own.
 WEBHOOK_RESOLVER = "scheduling.webhooks.resolving.system_resolve"

@@ -101,7 +101,7 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
         job_request = body.to_request()
         webhook_url = body.validated_data.get("webhook_url")
         if webhook_url is not None:
-            problem = webhook_url_problem(webhook_url)
+            problem = webhook_url_problem(webhook_url, account_id=account_of(request).id)
             if problem:
                 raise InvalidRequest({"webhook_url": [problem]})
             job_request = replace(job_request, webhook_url=webhook_url,

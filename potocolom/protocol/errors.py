@@ -9,6 +9,7 @@ class DomainError(Exception):
     """The request cannot be done."""
 
     code = "invalid_request"
+    retry_after_seconds: int | None = None  # answered as Retry-After when set
 
     def __init__(self, detail: Any = None) -> None:
         self.detail = detail if detail is not None else (self.__doc__ or "").strip()

@@ -44,7 +44,8 @@ def close_code_of(error: DomainError) -> int:
 def api_exception_handler(exc: Exception, context: dict) -> Response | None:
     """DRF's handler, with domain errors and validation errors in the contract's body."""
     if isinstance(exc, DomainError):
-        return Response({"error": exc.code, "detail": exc.detail}, status=status_of(exc))
+        retry = {"Retry-After": str(exc.retry_after_seconds)} if exc.retry_after_seconds else None
+        return Response({"error": exc.code, "detail": exc.detail}, status=status_of(exc), headers=retry)
     if isinstance(exc, exceptions.ValidationError):
         detail = exc.detail if isinstance(exc.detail, dict) else {"non_field_errors": exc.detail}
         return Response({"error": InvalidRequest.code, "detail": detail}, status=status.HTTP_400_BAD_REQUEST)

@@ -1,8 +1,9 @@
 """One webhook attempt over the network: a POST to the address that was checked (never a second
-lookup), with the URL's host in the Host header and as the TLS server name, no redirect followed,
-a deadline over the whole attempt and at most MAX_RESPONSE_BYTES of the answer read."""
+lookup), the URL's host in the Host header and as the TLS server name, no redirect followed, one
+deadline over it all, at most MAX_RESPONSE_BYTES read, and what failed said in our words."""
 from __future__ import annotations
 
+import errno
 import http.client
 import socket
 import ssl
@@ -18,7 +19,7 @@ USER_AGENT = "potocolom-webhooks/1"
 @dataclass(frozen=True)
 class AttemptResult:
     status_code: int | None  # None: no HTTP answer (refused, unreachable, timed out)
-    error: str | None
+    error: str | None  # None: a 2xx; else in our words (error_of, "status 503")
     duration_ms: float
 
 
@@ -59,12 +60,39 @@ def post(target: Target, *, address: str, headers: dict[str, str], body: bytes, 
             if not chunk:
                 break
             left -= len(chunk)
-        return AttemptResult(response.status, None, _ms_since(started))
-    except (OSError, http.client.HTTPException, ValueError) as exc:
-        message = str(exc) or type(exc).__name__
-        return AttemptResult(None, f"{type(exc).__name__}: {message}"[:300], _ms_since(started))
+        return AttemptResult(response.status, _status_error(response.status), _ms_since(started))
+    except Exception as exc:  # whatever stopped it, said in our words (never the receiver's bytes)
+        return AttemptResult(None, error_of(exc), _ms_since(started))
     finally:
         conn.close()
+
+
+def _status_error(status: int) -> str | None:
+    return None if 200 <= status <= 299 else f"status {status}"
+
+
+def error_of(exc: BaseException) -> str:
+    """What stopped an attempt, in our words: `timeout`, `connection_refused`, `connection_reset`,
+    `unreachable`, `connection_failed`, `tls` (`tls: certificate not verified`), `bad_response` (an
+    answer that is not HTTP, or cut short), `no_response`. Never the exception's text: it may quote
+    what the receiver sent (http.client's BadStatusLine holds the line it read)."""
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return "tls: certificate not verified"
+    if isinstance(exc, ssl.SSLError):
+        return "tls"
+    if isinstance(exc, TimeoutError):
+        return "timeout"
+    if isinstance(exc, http.client.RemoteDisconnected):  # closed before any answer
+        return "no_response"
+    if isinstance(exc, http.client.HTTPException):
+        return "bad_response"
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection_refused"
+    if isinstance(exc, ConnectionError):
+        return "connection_reset"
+    if isinstance(exc, OSError):
+        return "unreachable" if exc.errno in (errno.ENETUNREACH, errno.EHOSTUNREACH) else "connection_failed"
+    return "bad_response" if isinstance(exc, ValueError) else "internal_error"
 
 
 def _bound(conn: http.client.HTTPConnection, deadline: float) -> None:

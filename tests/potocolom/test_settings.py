@@ -103,8 +103,16 @@ def test_django_s_own_body_cap_agrees_with_max_request_bytes(tmp_path):
         "MAX_REQUEST_BYTES": 5000, "DATA_UPLOAD_MAX_MEMORY_SIZE": 5000}
 
 
+def test_webhook_ports_are_none_but_80_and_443_unless_listed(tmp_path):
+    names = ("WEBHOOK_PORTS", "WEBHOOK_CONCURRENCY", "WEBHOOK_LOOKUPS_PER_ACCOUNT", "WEBHOOK_SENDERS")
+    assert settings_of(tmp_path, *names) == {"WEBHOOK_PORTS": [], "WEBHOOK_CONCURRENCY": 2,
+                                             "WEBHOOK_LOOKUPS_PER_ACCOUNT": 4, "WEBHOOK_SENDERS": 16}
+    assert settings_of(tmp_path, "WEBHOOK_PORTS", WEBHOOK_PORTS="8443, 9000") == {"WEBHOOK_PORTS": [8443, 9000]}
+
+
 @pytest.mark.parametrize(("name", "value"), [("JOB_SUBMIT_RATE", "600/fortnight"), ("JOB_SUBMIT_RATE", "lots"),
-                                             ("MAX_REQUEST_BYTES", "ten"), ("HTTPS", "maybe")])
+                                             ("MAX_REQUEST_BYTES", "ten"), ("HTTPS", "maybe"),
+                                             ("WEBHOOK_PORTS", "8443,ssh"), ("WEBHOOK_PORTS", "70000")])
 def test_a_bad_setting_fails_at_start(tmp_path, name, value):
     done = subprocess.run([sys.executable, "-c", "import django; django.setup()"], cwd=ROOT,
                           env=environment(tmp_path, **{name: value}), capture_output=True, text=True, timeout=120)

@@ -1,6 +1,6 @@
 """Webhooks end to end on this machine: a real HTTP receiver on loopback, deliveries signed and
 verified as a receiver would (the standardwebhooks library), retries with backoff on the injected
-clock, the SSRF refusals at submission and at delivery, and the account's secret."""
+clock, the SSRF and port refusals, each account's lookups, errors in our words, and the secret."""
 from __future__ import annotations
 
 import json
@@ -11,13 +11,25 @@ import pytest
 from django.utils import timezone
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
+from potocolom.runtime import runtime
 from scheduling import services
 from scheduling.models import Job, JobState, WebhookDelivery
-from scheduling.webhooks.delivery import webhooks_deliver
-from scheduling.webhooks.resolving import WebhookRefused, resolve_within
-from scheduling.webhooks.services import webhook_deliveries_claim
+from scheduling.webhooks.delivery import (
+    lease_seconds,
+    webhook_attempt_prepare,
+    webhook_attempt_send,
+    webhooks_deliver,
+)
+from scheduling.webhooks.resolving import (
+    LOOKUPS,
+    MAX_LOOKUPS_IN_FLIGHT,
+    WebhookLookupsThrottled,
+    WebhookRefused,
+    resolve_within,
+)
+from scheduling.webhooks.services import webhook_deliveries_claim, webhook_deliveries_due
 from tests.helpers import api_client, register_model
-from tests.support.webhook_receiver import Receiver
+from tests.support.webhook_receiver import Banner, Receiver
 
 pytestmark = pytest.mark.django_db
 PROMPT = {"prompt": "a red circle"}
@@ -83,8 +95,16 @@ def verified(secret: str, request: dict) -> dict:
 
 @pytest.mark.parametrize("url", ["http://127.0.0.1:9/hook", "http://localhost/hook", "http://10.0.0.1/",
                                  "http://[::1]:8080/", "http://169.254.169.254/latest/meta-data/",
-                                 "http://[::ffff:127.0.0.1]/", "http://0.0.0.0/"])
-def test_a_url_whose_host_is_loopback_private_or_link_local_is_refused_at_submission(
+                                 "http://[::ffff:127.0.0.1]/", "http://0.0.0.0/",
+                                 # the special-purpose blocks that are not globally reachable
+                                 "http://192.0.0.8/hook", "http://198.18.0.1/hook", "http://[fec0::1]/hook",
+                                 "http://192.88.99.1/", "http://100.64.0.1/", "http://[2001:db8::1]/",
+                                 "http://[64:ff9b:1::1]/", "http://[2002:7f00:1::]/", "http://[5f00::1]/",
+                                 "http://[3fff::1]/", "http://240.0.0.1/", "http://255.255.255.255/",
+                                 # every spelling of an address
+                                 "http://167772161/hook", "http://0177.0.0.1/", "http://0x7f.1/",
+                                 "http://127.1/", "http://[::ffff:7f00:1]/", "http://[::127.0.0.1]/"])
+def test_a_url_whose_host_is_not_globally_reachable_is_refused_at_submission(
         model, alice, url, django_capture_on_commit_callbacks):
     response = submit(alice, {"params": PROMPT, "webhook_url": url}, django_capture_on_commit_callbacks)
     assert response.status_code == 400
@@ -97,7 +117,9 @@ def test_a_url_whose_host_is_loopback_private_or_link_local_is_refused_at_submis
 @pytest.mark.parametrize(("url", "says"), [("ftp://hooks.example.com/", "http or https"),
                                            ("http://", "must name a host"),
                                            ("https://hooks.example.com/" + "a" * 2000, "2000"),
-                                           ("http://user:pw@hooks.example.com/", "user name or password")])
+                                           ("http://user:pw@hooks.example.com/", "user name or password"),
+                                           ("http://[fe80::1%25eth0]/", "zone id"),
+                                           ("http://08.0.0.1/", "not a valid IPv4 address")])
 def test_a_url_that_is_not_an_http_url_of_bounded_length_is_refused_with_its_reason(
         model, alice, url, says, django_capture_on_commit_callbacks):
     response = submit(alice, {"params": PROMPT, "webhook_url": url}, django_capture_on_commit_callbacks)
@@ -117,6 +139,101 @@ def test_a_host_that_does_not_resolve_is_refused(model, alice, settings, django_
                       django_capture_on_commit_callbacks)
     assert response.status_code == 400
     assert response.json()["detail"] == {"webhook_url": ["its host does not resolve"]}
+
+
+def test_a_public_host_may_use_ports_80_and_443_and_those_of_webhook_ports_only(
+        model, alice, settings, django_capture_on_commit_callbacks):
+    looked_up: list[str] = []
+    settings.WEBHOOK_RESOLVER = lambda host, port: looked_up.append(host) or ["93.184.216.34"]
+    for url in ("https://hooks.example:8443/", "http://hooks.example:22/", "http://93.184.216.34:6379/"):
+        response = submit(alice, {"params": PROMPT, "webhook_url": url}, django_capture_on_commit_callbacks)
+        assert response.status_code == 400, url
+        assert response.json()["error"] == "invalid_request"
+        assert "may not use port" in response.json()["detail"]["webhook_url"][0]
+    assert looked_up == []  # refused before any lookup
+    for url in ("https://hooks.example/", "http://hooks.example:80/", "https://hooks.example:443/"):
+        response = submit(alice, {"params": PROMPT, "webhook_url": url}, django_capture_on_commit_callbacks)
+        assert response.status_code == 201, url
+    settings.WEBHOOK_PORTS = [8443]
+    response = submit(alice, {"params": PROMPT, "webhook_url": "https://hooks.example:8443/"},
+                      django_capture_on_commit_callbacks)
+    assert response.status_code == 201
+
+
+# --- lookups: each account's own -----------------------------------------------------------------
+
+@pytest.fixture
+def slow_hosts(settings):
+    """A resolver under which every host named slow... hangs until released (then, like any other
+    host, resolves to a public address)."""
+    release = threading.Event()
+
+    def resolve(host: str, port: int) -> list[str]:
+        if host.startswith("slow"):
+            release.wait(30)
+        return ["93.184.216.34"]
+
+    settings.WEBHOOK_RESOLVER = resolve
+    yield resolve
+    release.set()
+    assert runtime.get(LOOKUPS).wait_at_most(0, timeout=30)
+
+
+def hang_lookups(resolve, account_id: int, count: int) -> tuple[int, int]:
+    """Start `count` lookups of slow hosts for the account (each given up on at once); how many
+    were given up on (their threads go on) and how many were throttled."""
+    given_up = throttled = 0
+    for n in range(count):
+        try:
+            resolve_within(f"slow{n}.example", 443, resolve=resolve, account_id=account_id, seconds=0.001)
+        except WebhookRefused:
+            given_up += 1
+        except WebhookLookupsThrottled:
+            throttled += 1
+    return given_up, throttled
+
+
+def test_forty_slow_hosts_of_alice_hold_four_lookups_and_never_bobs(
+        model, alice, bob, slow_hosts, django_capture_on_commit_callbacks):
+    assert hang_lookups(slow_hosts, alice.id, 40) == (4, 36)
+    assert runtime.get(LOOKUPS).under_way(alice.id) == 4
+
+    response = submit(alice, {"params": PROMPT, "webhook_url": "https://hooks.example/"},
+                      django_capture_on_commit_callbacks)
+    assert response.status_code == 429
+    assert response.json()["error"] == "throttled" and response["Retry-After"] == "2"
+    response = submit(bob, {"params": PROMPT, "webhook_url": "https://hooks.example/"},
+                      django_capture_on_commit_callbacks)
+    assert response.status_code == 201, response.content
+
+
+def test_an_accounts_lookups_count_until_their_threads_end_then_it_may_look_up_again(
+        model, alice, settings, django_capture_on_commit_callbacks):
+    release = threading.Event()
+
+    def resolve(host: str, port: int) -> list[str]:
+        if host.startswith("slow"):
+            release.wait(30)
+        return ["93.184.216.34"]
+
+    settings.WEBHOOK_RESOLVER = resolve
+    assert hang_lookups(resolve, alice.id, 5) == (4, 1)
+    release.set()
+    assert runtime.get(LOOKUPS).wait_at_most(0, account_id=alice.id, timeout=30)
+    response = submit(alice, {"params": PROMPT, "webhook_url": "https://hooks.example/"},
+                      django_capture_on_commit_callbacks)
+    assert response.status_code == 201
+
+
+def test_when_every_lookup_thread_of_the_process_is_stuck_a_submission_answers_503_not_400(
+        model, bob, slow_hosts, django_capture_on_commit_callbacks):
+    for account_id in range(1000, 1000 + MAX_LOOKUPS_IN_FLIGHT // 4):  # other accounts, 4 each
+        assert hang_lookups(slow_hosts, account_id, 4) == (4, 0)
+    response = submit(bob, {"params": PROMPT, "webhook_url": "https://hooks.example/"},
+                      django_capture_on_commit_callbacks)
+    assert response.status_code == 503  # the process is short of lookups: bob's URL is not at fault
+    assert response.json()["error"] == "unavailable" and response["Retry-After"] == "2"
+    assert not Job.objects.exists()
 
 
 def test_a_job_without_a_webhook_says_null_and_writes_no_delivery(model, alice, django_capture_on_commit_callbacks):
@@ -185,6 +302,7 @@ def test_it_retries_with_backoff_until_a_2xx_with_the_same_webhook_id(
     webhook = api_client(alice).get(f"/api/v1/jobs/{job_id}/").json()["webhook"]
     assert webhook["state"] == "delivered"
     assert [attempt["status_code"] for attempt in webhook["attempts"]] == [500, 503, 200]
+    assert [attempt["error"] for attempt in webhook["attempts"]] == ["status 500", "status 503", None]
     listed = api_client(alice).get("/api/v1/jobs/").json()["results"][0]["webhook"]
     assert listed == webhook
     assert api_client(bob).get(f"/api/v1/jobs/{job_id}/").status_code == 404  # the owner's only
@@ -224,7 +342,41 @@ def test_an_unreachable_receiver_is_a_failed_attempt_with_its_error(private_allo
     cancel(alice, job_id)
     webhooks_deliver(now=timezone.now())
     [attempt] = api_client(alice).get(f"/api/v1/jobs/{job_id}/").json()["webhook"]["attempts"]
-    assert attempt["status_code"] is None and "Connection" in attempt["error"]
+    assert attempt["status_code"] is None and attempt["error"] == "connection_refused"
+
+
+def test_a_receiver_that_answers_no_http_is_a_bad_response_and_none_of_its_bytes_are_kept(
+        private_allowed, alice, job_with_webhook):
+    ssh = Banner(b"SSH-2.0-OpenSSH_9.6 secret-of-the-receiver\r\n")
+    try:
+        job_id = job_with_webhook(alice, f"http://127.0.0.1:{ssh.port}/")
+        cancel(alice, job_id)
+        webhooks_deliver(now=timezone.now())
+    finally:
+        ssh.close()
+    webhook = api_client(alice).get(f"/api/v1/jobs/{job_id}/").json()["webhook"]
+    [attempt] = webhook["attempts"]
+    assert attempt["status_code"] is None and attempt["error"] == "bad_response"
+    assert "SSH" not in json.dumps(webhook) and "secret-of-the-receiver" not in json.dumps(webhook)
+
+
+def test_a_2xx_lost_before_its_record_is_sent_once_more_with_the_same_webhook_id_then_never(
+        private_allowed, alice, receiver, job_with_webhook):
+    hook = receiver()
+    cancel(alice, job_with_webhook(alice, f"http://127.0.0.1:{hook.port}/"))
+    now = timezone.now()
+    [delivery] = webhook_deliveries_claim(due=webhook_deliveries_due(now=now, per_account=2, limit=10), now=now,
+                                          lease_seconds=lease_seconds())
+    sent = webhook_attempt_send(webhook_attempt_prepare(delivery=delivery, now=now))
+    assert sent.status_code == 200  # ... and the database fails before it is recorded
+    assert webhooks_deliver(now=now + timedelta(seconds=lease_seconds() - 1)) == 0  # still claimed
+    later = now + timedelta(seconds=lease_seconds() + 1)
+    assert webhooks_deliver(now=later) == 1  # the claim lapsed: once more
+    assert webhooks_deliver(now=later + timedelta(hours=1)) == 0  # its 2xx recorded: never again
+    first, second = hook.requests
+    assert first["headers"]["webhook-id"] == second["headers"]["webhook-id"]
+    assert first["body"] == second["body"]
+    assert WebhookDelivery.objects.get().state == "delivered"
 
 
 def test_it_connects_to_the_address_it_checked_naming_the_host(settings, alice, receiver, job_with_webhook):
@@ -244,6 +396,7 @@ def test_a_host_that_resolves_to_a_private_address_at_delivery_is_never_connecte
     hook = receiver()  # listening on 127.0.0.1: connecting there would reach it
     answers = {"hooks.example": ["93.184.216.34"]}  # public when submitted ...
     settings.WEBHOOK_RESOLVER = lambda host, port: answers[host]
+    settings.WEBHOOK_PORTS = [hook.port]
     job_id = job_with_webhook(alice, f"http://hooks.example:{hook.port}/")
     answers["hooks.example"] = ["93.184.216.34", "127.0.0.1"]  # ... rebound to loopback by delivery time
     cancel(alice, job_id)
@@ -253,15 +406,17 @@ def test_a_host_that_resolves_to_a_private_address_at_delivery_is_never_connecte
     assert hook.requests == []
     attempts = api_client(alice).get(f"/api/v1/jobs/{job_id}/").json()["webhook"]["attempts"]
     assert len(attempts) == 3
-    assert all(a["status_code"] is None and "127.0.0.1 is a loopback address" in a["error"] for a in attempts)
+    assert all(a["status_code"] is None and a["error"].startswith("refused: ")
+               and "127.0.0.1 is a loopback address" in a["error"] for a in attempts)
 
 
 def test_a_due_delivery_is_claimed_by_one_process_only(private_allowed, alice, receiver, job_with_webhook):
     hook = receiver()
     cancel(alice, job_with_webhook(alice, f"http://127.0.0.1:{hook.port}/"))
     now = timezone.now()
-    assert len(webhook_deliveries_claim(now=now, limit=10, lease_seconds=60)) == 1
-    assert webhook_deliveries_claim(now=now, limit=10, lease_seconds=60) == []  # another process: nothing
+    due = webhook_deliveries_due(now=now, per_account=2, limit=10)
+    assert len(webhook_deliveries_claim(due=due, now=now, lease_seconds=60)) == 1
+    assert webhook_deliveries_claim(due=due, now=now, lease_seconds=60) == []  # another process: nothing
     assert webhooks_deliver(now=now + timedelta(seconds=30)) == 0  # still claimed
     assert webhooks_deliver(now=now + timedelta(seconds=61)) == 1  # the claim lapsed (its process died)
     assert len(hook.requests) == 1
@@ -313,6 +468,6 @@ def test_a_lookup_that_takes_longer_than_its_bound_is_refused():
 
     try:
         with pytest.raises(WebhookRefused, match="did not resolve within"):
-            resolve_within("slow.example", 443, resolve=hanging, seconds=0.05)
+            resolve_within("slow.example", 443, resolve=hanging, account_id=1, seconds=0.05)
     finally:
         release.set()

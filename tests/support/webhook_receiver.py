@@ -1,8 +1,10 @@
-"""A webhook receiver for tests: a real HTTP server on 127.0.0.1 in a thread of its own, answering
-each POST with the next scripted status and keeping what it got (docs/protocol.md, "Webhooks")."""
+"""Webhook receivers for tests: a real HTTP server on 127.0.0.1 in a thread of its own, answering each
+POST with the next scripted status (or hanging until released) and keeping what it got; and a server
+that answers with a line that is not HTTP (docs/protocol.md, "Webhooks")."""
 from __future__ import annotations
 
 import http.server
+import socket
 import threading
 
 
@@ -10,7 +12,9 @@ class Receiver:
     """An HTTP server on 127.0.0.1 answering each POST with the next scripted status (then 200),
     keeping every request it got."""
 
-    def __init__(self, statuses: list[int] | None = None, *, headers: dict[str, str] | None = None) -> None:
+    def __init__(self, statuses: list[int] | None = None, *, headers: dict[str, str] | None = None,
+                 hold: threading.Event | None = None) -> None:
+        self.hold = hold  # set: answer; unset: each request waits for it (a hanging receiver)
         self.statuses = list(statuses or [])
         self.extra_headers = headers or {}
         self.requests: list[dict] = []
@@ -25,6 +29,8 @@ class Receiver:
                                               "body": body})
                     status = receiver.statuses.pop(0) if receiver.statuses else 200
                     receiver.arrived.notify_all()
+                if receiver.hold is not None:
+                    receiver.hold.wait(60)
                 self.send_response(status)
                 for name, value in receiver.extra_headers.items():
                     self.send_header(name, value)
@@ -47,5 +53,41 @@ class Receiver:
             return list(self.requests)
 
     def close(self) -> None:
+        if self.hold is not None:
+            self.hold.set()
         self.server.shutdown()
         self.server.server_close()
+
+
+class Banner:
+    """A TCP server on 127.0.0.1 that answers every connection with one line that is not HTTP (an
+    SSH server's banner, say), then reads until the client closes it."""
+
+    def __init__(self, line: bytes) -> None:
+        self.line = line
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            with conn:  # as an SSH server does: its banner first, then it reads what comes
+                conn.settimeout(30)
+                conn.sendall(self.line)
+                try:
+                    while conn.recv(65536):
+                        pass
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        try:
+            self.listener.shutdown(socket.SHUT_RDWR)  # wakes the accept under way
+        except OSError:
+            pass
+        self.listener.close()
