@@ -87,6 +87,7 @@ if HTTPS:
 # --- the contract's settings -------------------------------------------------------------------
 JOB_DISPATCH_DEPTH = envint("JOB_DISPATCH_DEPTH", 2, minimum=1)
 ACCOUNT_SESSION_LIMIT = envint("ACCOUNT_SESSION_LIMIT", 2, minimum=1)
+ACCOUNT_SOCKET_LIMIT = envint("ACCOUNT_SOCKET_LIMIT", 20, minimum=1)  # open /ws/jobs/ sockets per account
 ACCOUNT_JOB_LIMIT = envint("ACCOUNT_JOB_LIMIT", 200, minimum=1)  # unfinished jobs per account
 SESSION_IDLE_SECONDS = envfloat("SESSION_IDLE_SECONDS", 60.0)
 SESSION_SWEEP_SECONDS = envfloat("SESSION_SWEEP_SECONDS", 30.0)

@@ -16,7 +16,10 @@ from potocolom.protocol import close_codes
 from potocolom.protocol.events import JobChanged, JobProgressed
 from potocolom.transport import relay
 from potocolom.transport.relay import RelayConsumer
+from potocolom.web.errors import close_code_of
+from potocolom.web.socket_limit import socket_seats
 from potocolom.web.sockets import presented_token, socket_account
+from scheduling.errors import SocketLimitReached
 from scheduling.events import account_group, job_of_snapshot
 from scheduling.serializers import job_payload
 
@@ -34,7 +37,8 @@ class JobEventsConsumer(RelayConsumer):
     origin = ""
 
     async def connect(self) -> None:
-        """Accept, then listen to the account's job events, or close with the code that says why not."""
+        """Accept, then listen to the account's job events, or close with the code that says why not
+        (4000 a bad job_id, 4001 no account, 4003 the account holds ACCOUNT_SOCKET_LIMIT sockets)."""
         await self.accept()
         query = parse_qs(self.scope.get("query_string", b"").decode("latin-1"))
         wanted = query.get("job_id", [])
@@ -46,19 +50,31 @@ class JobEventsConsumer(RelayConsumer):
         if account is None:
             await self.close(code=close_codes.NOT_AUTHENTICATED, reason="not authenticated")
             return
+        limit, seats = settings.ACCOUNT_SOCKET_LIMIT, socket_seats()
+        async with seats.turn(str(account.pk)):  # the account's sockets in the order they came
+            # in the group at once (the events of what the client does next are kept in this
+            # channel until connect returns), heard only once the socket has its place (account_id)
+            self.group = account_group(account.pk)
+            await relay.group_membership(self.channel_layer, self.group, self.channel_name)
+            taken = await seats.take(account=str(account.pk), socket=self.channel_name, limit=limit)
+        if not taken:
+            await self.disconnect(close_codes.SOCKET_LIMIT)
+            error = SocketLimitReached(f"the account already holds {limit} job sockets")
+            await self.close(code=close_code_of(error), reason=str(error.detail))
+            return
         self.job_ids = frozenset(str(uuid.UUID(job_id)) for job_id in wanted)
         self.account_id = str(account.pk)
         self.origin = self._origin()
-        self.group = account_group(account.pk)
-        await relay.group_membership(self.channel_layer, self.group, self.channel_name)
 
     async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
         """The client has nothing to say on this socket: what it sends is ignored."""
 
     async def disconnect(self, code: int) -> None:
+        """Leave the account's group, and free the socket's place in the account's count."""
         if self.group is not None:
             group, self.group = self.group, None
             await relay.group_membership(self.channel_layer, group, self.channel_name, join=False)
+        await socket_seats().release(socket=self.channel_name)
 
     # events from scheduling.events
 

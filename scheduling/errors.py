@@ -20,3 +20,9 @@ class JobNotPaused(DomainError):
     """The job is not paused: only a paused job can be resumed."""
 
     code = "job_not_paused"
+
+
+class SocketLimitReached(DomainError):
+    """The account already holds ACCOUNT_SOCKET_LIMIT open /ws/jobs/ sockets; close one first."""
+
+    code = "socket_limit"

@@ -28,6 +28,7 @@ CLOSE_CODE = {
     "bad_query": close_codes.BAD_QUERY,
     "not_authenticated": close_codes.NOT_AUTHENTICATED,
     "session_limit": close_codes.SESSION_LIMIT,
+    "socket_limit": close_codes.SOCKET_LIMIT,
     "no_model_fits": close_codes.NO_MODEL_FITS,
     "worker_id_taken": close_codes.WORKER_ID_TAKEN,
 }

@@ -166,3 +166,57 @@ async def test_a_job_id_that_is_no_id_is_closed_with_4000(alice, job_sockets):
     socket = await events_of(alice, job_sockets, "job_id=not-a-job")
     closed = await socket.receive_output(timeout=5)
     assert closed["type"] == "websocket.close" and closed["code"] == 4000
+
+
+# --- ACCOUNT_SOCKET_LIMIT ---------------------------------------------------------------------------
+
+@pytest.fixture
+def socket_counts(settings) -> str:
+    """ACCOUNT_SOCKET_LIMIT 2, counted where this run's settings count: in Redis for every API process
+    with REDIS_URL (the PostgreSQL + Redis run), else in the process (tests/potocolom/web/
+    test_socket_limit.py tests both backends whenever a Redis answers)."""
+    settings.ACCOUNT_SOCKET_LIMIT = 2
+    return "redis" if settings.REDIS_URL else "process"
+
+
+async def placed(account, *sockets) -> None:
+    """Wait until each socket has its place in the account's count: it hears the account's job
+    events only from then on (a connect returns at the accept, before the count)."""
+    job_id = await submit(account)
+    assert [(await next_job_event(socket))["id"] for socket in sockets] == [job_id] * len(sockets)
+
+
+async def test_a_socket_past_the_accounts_limit_is_closed_with_4003(alice, bob, token, job_sockets, socket_counts):
+    first, second = await events_of(alice, job_sockets), await events_of(alice, job_sockets)
+    await placed(alice, first, second)
+
+    third = await job_sockets(headers=[(b"authorization", f"Token {await token_of(alice)}".encode())])
+
+    closed = await third.receive_output(timeout=5)
+    assert (closed["type"], closed["code"]) == ("websocket.close", 4003)
+    await placed(bob, await events_of(bob, job_sockets))  # per account
+    await placed(alice, first, second)  # the two open ones go on
+
+
+async def test_of_sockets_opened_one_after_another_the_one_past_the_limit_is_closed(alice, token, job_sockets,
+                                                                                    socket_counts):
+    sockets = [await events_of(alice, job_sockets) for _ in range(3)]  # each returns at its accept
+
+    assert (await sockets[2].receive_output(timeout=5))["code"] == 4003
+    await placed(alice, *sockets[:2])
+
+
+async def test_a_closed_socket_frees_its_place(alice, token, job_sockets, socket_counts):
+    first, second = await events_of(alice, job_sockets), await events_of(alice, job_sockets)
+    await placed(alice, first, second)
+    await first.disconnect()  # returns once the consumer has handled the close
+
+    again = await events_of(alice, job_sockets)
+
+    await placed(alice, second, again)
+    refused = await events_of(alice, job_sockets)
+    assert (await refused.receive_output(timeout=5))["code"] == 4003
+
+
+def test_the_socket_limit_is_the_setting_s_default(settings):
+    assert settings.ACCOUNT_SOCKET_LIMIT == 20
