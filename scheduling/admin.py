@@ -101,10 +101,8 @@ class JobAdmin(ReadOnlyAdmin):
         return ("-created_at",)
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Job]:
-        # params may hold an init_image of megabytes: a page of rows never loads them (the job page
-        # and the services read them when they need them)
-        if not _in_queue_order(request):
-            return super().get_queryset(request).defer("params")
+        if not _in_queue_order(request):  # a row holds no image (init_images are in the storage)
+            return super().get_queryset(request)
         order = selectors.dispatch_order(per_model=QUEUE_ORDER_ROWS)
         place = Case(*(When(id=job_id, then=Value(n)) for n, job_id in enumerate(order)),
                      default=Value(len(order)), output_field=IntegerField()) if order else Value(0)
@@ -141,7 +139,7 @@ class JobAdmin(ReadOnlyAdmin):
 
     def init_image_view(self, request: HttpRequest, object_id: Any, size: int) -> HttpResponseBase:
         """A JPEG thumbnail of the init_image the job was submitted with."""
-        content = init_image_content(self._viewable(request, object_id).params)
+        content = init_image_content(self._viewable(request, object_id).init_image)
         if content is None:
             raise Http404
         return _thumbnail_response(content[0], size)
@@ -166,7 +164,7 @@ class JobAdmin(ReadOnlyAdmin):
 
     @admin.display(description="init image")
     def init_image_thumbnail(self, job: Job) -> str:
-        if INIT_IMAGE not in job.params:
+        if not job.init_image:
             return "none"
         url = reverse("admin:scheduling_job_init_thumbnail", args=[job.id, PAGE_THUMBNAIL_PX])
         return format_html('<img src="{}" alt="init image" class="job-thumbnail" style="max-width:{}px; '
@@ -174,7 +172,7 @@ class JobAdmin(ReadOnlyAdmin):
 
     @admin.display(description="params")
     def shown_params(self, job: Job) -> SafeString:
-        params = {k: ("(an image, shown above)" if k == INIT_IMAGE else v) for k, v in job.params.items()}
+        params = {**job.params, INIT_IMAGE: "(an image, shown above)"} if job.init_image else job.params
         return format_html("<pre>{}</pre>", json.dumps(params, indent=2, sort_keys=True, ensure_ascii=False))
 
     @admin.display(description="waited", ordering="started_at")

@@ -9,7 +9,7 @@ from typing import Any
 from django.conf import settings
 from django.contrib.auth.models import User
 from django.core.files.storage import default_storage
-from django.db.models import Prefetch, Q
+from django.db.models import Prefetch
 from django.http import FileResponse, Http404, HttpResponse
 from django.utils import timezone
 from drf_spectacular.types import OpenApiTypes
@@ -23,7 +23,7 @@ from rest_framework.views import APIView
 from models_registry.errors import InvalidParams
 from potocolom.protocol.errors import InvalidRequest
 from scheduling import selectors, services
-from scheduling.images import INIT_IMAGE, ParamsWithoutImage, init_image_content, init_image_problem
+from scheduling.images import INIT_IMAGE, init_image_content, init_image_problem
 from scheduling.models import Job, JobState, WebhookDelivery
 from scheduling.serializers import JobCreateSerializer, JobSerializer
 from scheduling.throttles import JobControlThrottle, JobSubmitThrottle
@@ -59,9 +59,7 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
         if state is not None and state not in JobState.values:
             raise InvalidRequest({"state": [f"must be one of {', '.join(JobState.values)}"]})
         jobs = selectors.jobs_of(account=account_of(self.request), state=state)
-        if self.action == "list":  # a page of jobs never loads their init_images
-            jobs = jobs.defer("params").annotate(shown_params=ParamsWithoutImage(),
-                                                 has_init_image=Q(params__has_key=INIT_IMAGE))
+        if self.action == "list":
             jobs = jobs.prefetch_related(Prefetch("webhook_deliveries", to_attr="listed_deliveries",
                                                   queryset=WebhookDelivery.objects.order_by("-created_at", "id")))
         return jobs
@@ -145,7 +143,7 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
     @action(detail=True, methods=["get"], url_path="init_image", url_name="init-image")
     def init_image(self, request: Request, pk: str | None = None) -> HttpResponse:
         """The init_image the job was submitted with, as sent (for its own account only)."""
-        content = init_image_content(self.get_object().params)
+        content = init_image_content(self.get_object().init_image)
         if content is None:
             raise Http404
         data, media_type = content

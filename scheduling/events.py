@@ -12,20 +12,19 @@ from functools import partial
 from typing import Any
 
 from django.db import transaction
-from django.db.models import DateTimeField, Q
+from django.db.models import DateTimeField
 from django.utils import timezone
 
 from potocolom.protocol.events import JobChanged, JobProgressed
 from potocolom.runtime import Slot, runtime
 from potocolom.transport import relay
 from scheduling import selectors
-from scheduling.images import INIT_IMAGE, ParamsWithoutImage
 from scheduling.models import Job
 
 log = logging.getLogger(__name__)
 # A job's row as an event carries it: every column but params (which may hold an init image); the
 # params as shown, without it.
-_FIELDS = tuple(f.attname for f in Job._meta.concrete_fields if f.attname != "params")
+_FIELDS = tuple(f.attname for f in Job._meta.concrete_fields)  # params hold no image: they go whole
 _DATETIMES = frozenset(f.attname for f in Job._meta.concrete_fields if isinstance(f, DateTimeField))
 # Changes are read after their commits, in whichever threads committed them: the read and the send
 # go under one lock so that this process sends a job's states in the order it read them (the
@@ -66,8 +65,7 @@ def _publish_read(ids: list[str], *, now: datetime | None) -> None:
 
 def _read_and_publish(ids: list[str], *, now: datetime | None) -> None:
     try:
-        jobs = list(Job.objects.filter(id__in=ids).defer("params").annotate(
-            shown_params=ParamsWithoutImage(), has_init_image=Q(params__has_key=INIT_IMAGE)))
+        jobs = list(Job.objects.filter(id__in=ids))
     except Exception:  # a notice: the change is in the database, and REST shows it
         log.exception("could not read jobs %s for their events", ids)
         return
@@ -97,14 +95,7 @@ def snapshot_of(job: Job, *, position: int | None, eta_seconds: float | None) ->
         elif isinstance(value, uuid.UUID):
             value = str(value)
         fields[name] = value
-    listed = getattr(job, "shown_params", None)
-    if listed is not None:
-        params, has_image = listed, bool(getattr(job, "has_init_image", False))
-    else:
-        has_image = isinstance(job.params, dict) and INIT_IMAGE in job.params
-        params = {k: v for k, v in job.params.items() if k != INIT_IMAGE} if has_image else job.params
-    return {"fields": fields, "shown_params": params, "has_init_image": has_image, "position": position,
-            "eta_seconds": eta_seconds}
+    return {"fields": fields, "position": position, "eta_seconds": eta_seconds}
 
 
 def job_of_snapshot(snapshot: dict[str, Any]) -> tuple[Job, int | None, float | None]:
@@ -112,6 +103,4 @@ def job_of_snapshot(snapshot: dict[str, Any]) -> tuple[Job, int | None, float | 
     fields = {name: (datetime.fromisoformat(value) if name in _DATETIMES and isinstance(value, str) else value)
               for name, value in snapshot["fields"].items() if name in _FIELDS}
     job = Job(**fields)
-    job.shown_params = snapshot.get("shown_params")  # type: ignore[attr-defined]  # as a page of jobs reads it
-    job.has_init_image = bool(snapshot.get("has_init_image"))  # type: ignore[attr-defined]
     return job, snapshot.get("position"), snapshot.get("eta_seconds")

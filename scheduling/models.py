@@ -30,7 +30,14 @@ class Job(models.Model):
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     account = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="jobs")
     model_id = models.CharField(max_length=200)
-    params = models.JSONField(default=dict)
+    params = models.JSONField(default=dict)  # as submitted, without init_image (in the storage)
+    # What the queue, ETA and placement queries read of the params, in columns, so that they never
+    # read a params value: `steps`, `width` and `height` as submitted (None: the schema's default),
+    # and the storage name of the job's init_image ("" for none; the worker gets it in its params).
+    steps = models.PositiveIntegerField(null=True, blank=True)
+    width = models.PositiveIntegerField(null=True, blank=True)
+    height = models.PositiveIntegerField(null=True, blank=True)
+    init_image = models.CharField(max_length=300, blank=True, default="")
     priority = models.PositiveSmallIntegerField(default=0)
     state = models.CharField(max_length=20, choices=JobState.choices, default=JobState.QUEUED)
     attempts = models.PositiveSmallIntegerField(default=1)

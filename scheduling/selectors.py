@@ -7,9 +7,8 @@ from typing import Any
 
 from django.conf import settings
 from django.contrib.auth.models import User
-from django.db.models import Count, F, IntegerField, Max, Q, QuerySet, Sum, Value
-from django.db.models.fields.json import KT
-from django.db.models.functions import Cast, Coalesce, Greatest
+from django.db.models import Count, F, Max, Q, QuerySet, Sum, Value
+from django.db.models.functions import Coalesce, Greatest
 
 from scheduling.dispatcher import dispatcher
 from scheduling.eta import ModelLoad, eta_seconds, first_etas, job_overhead_seconds
@@ -60,9 +59,9 @@ STEPS_UNSAID = 30  # what placement counts for a queued job whose params name no
 
 
 def queued_demand() -> dict[str, tuple[int, int]]:
-    """Queued jobs per model and their steps summed (placement's demand): one grouped query that
-    reads `steps` out of the params in the database (params may hold init images)."""
-    steps = Coalesce(Cast(KT("params__steps"), IntegerField()), Value(STEPS_UNSAID))
+    """Queued jobs per model and their steps summed (placement's demand): one grouped query over
+    the rows' `steps` column."""
+    steps = Coalesce(F("steps"), Value(STEPS_UNSAID))
     rows = (Job.objects.filter(state=JobState.QUEUED).order_by().values_list("model_id")
             .annotate(jobs=Count("id"), steps=Sum(steps)))
     return {model_id: (jobs, int(total or 0)) for model_id, jobs, total in rows}
@@ -71,7 +70,7 @@ def queued_demand() -> dict[str, tuple[int, int]]:
 def recent_steps(*, since: Sequence[datetime]) -> dict[str, tuple[int, ...]]:
     """Steps of the jobs submitted per model since each moment of `since`, whatever became of them
     (placement's trend and burst: what arrives, before a queue forms), in one grouped query."""
-    steps = Coalesce(Cast(KT("params__steps"), IntegerField()), Value(STEPS_UNSAID))
+    steps = Coalesce(F("steps"), Value(STEPS_UNSAID))
     windows = {f"since_{n}": Sum(steps, filter=Q(created_at__gte=moment)) for n, moment in enumerate(since)}
     rows = (Job.objects.filter(created_at__gte=min(since)).order_by().values("model_id").annotate(**windows)
             .values_list("model_id", *windows))
@@ -105,7 +104,7 @@ def model_loads(model_ids: Collection[str], *, now: datetime) -> dict[str, Model
     ids = sorted(set(model_ids))
     if not ids:
         return {}
-    steps = Coalesce(Cast(KT("params__steps"), IntegerField()), Value(STEPS_UNSAID))
+    steps = Coalesce(F("steps"), Value(STEPS_UNSAID))
     queued = {model_id: (jobs, int(total or 0)) for model_id, jobs, total in (
         Job.objects.filter(state=JobState.QUEUED).order_by().values_list("model_id")
         .annotate(jobs=Count("id"), steps=Sum(steps)))}
@@ -140,7 +139,7 @@ def model_loads(model_ids: Collection[str], *, now: datetime) -> dict[str, Model
 
 def _recent_runs(model_id: str) -> list[tuple[float, int]]:
     """(run seconds, steps) of the model's latest succeeded jobs."""
-    steps = Coalesce(Cast(KT("params__steps"), IntegerField()), Value(STEPS_UNSAID))
+    steps = Coalesce(F("steps"), Value(STEPS_UNSAID))
     rows = (Job.objects.filter(model_id=model_id, state=JobState.SUCCEEDED, started_at__isnull=False,
                                finished_at__isnull=False).order_by("-finished_at")
             .annotate(job_steps=steps).values_list("started_at", "finished_at", "job_steps")[:OVERHEAD_SAMPLE_JOBS])

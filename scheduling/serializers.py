@@ -80,15 +80,10 @@ class ProgressSerializer(serializers.Serializer):
 
 
 def shown_params(job: Job, *, image_url: Callable[[str], str]) -> Any:
-    """The job's params as its representation shows them: an init_image reads as the URL that serves
-    it. A job listed with ParamsWithoutImage never loaded the image (`shown_params`)."""
-    listed = getattr(job, "shown_params", None)
-    if listed is not None:
-        params, has_image = listed, bool(getattr(job, "has_init_image", False))
-    else:
-        params = job.params
-        has_image = isinstance(params, dict) and INIT_IMAGE in params
-    if not has_image or not isinstance(params, dict):
+    """The job's params as its representation shows them: an init_image (kept in the storage, never
+    in the row) reads as the URL that serves it."""
+    params = job.params
+    if not job.init_image or not isinstance(params, dict):
         return params
     return {**params, INIT_IMAGE: image_url(reverse("job-init-image", kwargs={"pk": job.id}))}
 

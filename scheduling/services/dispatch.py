@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from django.db import connection
+from django.db import connection, transaction
 from django.utils.crypto import salted_hmac
 
 from potocolom import metrics
@@ -24,9 +24,10 @@ from potocolom.transport.notify import to_socket_after_commit
 from scheduling.checkpoints import checkpoint_read
 from scheduling.dispatcher import Dispatcher, dispatcher
 from scheduling.events import jobs_changed
+from scheduling.images import INIT_IMAGE, init_image_text
 from scheduling.models import Job, JobState
 from scheduling.policy import Assignment, Preemption, QueuedJob
-from scheduling.services.job_rows import to_microseconds
+from scheduling.services.job_rows import to_microseconds, webhook_outbox
 
 log = logging.getLogger(__name__)
 WORKERS_GROUP = "potocolom.workers"  # every worker socket of every API process, when the queue is shared
@@ -35,13 +36,15 @@ ACCOUNT_KEY_SALT = "potocolom.scheduling.worker-account"  # job.account: an HMAC
 
 @dataclass(frozen=True)
 class Claimed:
-    """What a dispatch's compare-and-set read back for the job order: its attempt and params, and
-    its stored checkpoint (storage name, "" without one, and the step it holds)."""
+    """What a dispatch's compare-and-set read back for the job order: its attempt and params, its
+    stored checkpoint (storage name, "" without one, and the step it holds) and init_image's
+    storage name ("" without one)."""
 
     attempts: int
     params: Any
     checkpoint: str
     checkpoint_step: int | None
+    init_image: str = ""
 
 
 def _claim(*, job_id: str, worker_id: str, turn_us: int | None, now: datetime) -> Claimed | None:
@@ -52,7 +55,7 @@ def _claim(*, job_id: str, worker_id: str, turn_us: int | None, now: datetime) -
     fields = Job._meta
     sql = (f"UPDATE {fields.db_table} SET state = %s, worker_id = %s, dispatched_at = %s, "
            "turn_us = COALESCE(%s, turn_us), progress_step = NULL, progress_steps = NULL "
-           "WHERE id = %s AND state = %s RETURNING attempts, params, checkpoint, checkpoint_step")
+           "WHERE id = %s AND state = %s RETURNING attempts, params, checkpoint, checkpoint_step, init_image")
     dispatched_at = fields.get_field("dispatched_at").get_db_prep_value(now, connection)
     values = [JobState.DISPATCHED.value, worker_id, dispatched_at, turn_us,
               fields.pk.get_db_prep_value(uuid.UUID(job_id), connection), JobState.QUEUED.value]
@@ -62,7 +65,8 @@ def _claim(*, job_id: str, worker_id: str, turn_us: int | None, now: datetime) -
     if row is None:
         return None
     params = row[1]  # text from both backends (Django loads jsonb as text), unless a driver decoded it
-    return Claimed(row[0], json.loads(params) if isinstance(params, (str, bytes)) else params, row[2] or "", row[3])
+    return Claimed(row[0], json.loads(params) if isinstance(params, (str, bytes)) else params, row[2] or "", row[3],
+                   row[4] or "")
 
 
 def account_key(account_id: str) -> str:
@@ -75,10 +79,14 @@ def account_key(account_id: str) -> str:
 def _job_order(job: QueuedJob, claimed: Claimed, *, protocol: int) -> JobOrder:
     """The `job` message: v1's fields for a v1 worker; a v2 worker also gets the job's priority,
     its account's key and, when it has a stored checkpoint, `resume` (a checkpoint that cannot be
-    read, or is over the wire's size, is left out: the job restarts from step 0)."""
+    read, or is over the wire's size, is left out: the job restarts from step 0). The params carry
+    the init_image as submitted, read from the storage (OSError when it cannot be)."""
+    params = claimed.params
+    if claimed.init_image:
+        params = {**params, INIT_IMAGE: init_image_text(claimed.init_image)}
     if protocol < PROTOCOL_V2:
-        return JobOrder(job.job_id, claimed.attempts, job.model_id, claimed.params)
-    return JobOrder(job.job_id, claimed.attempts, job.model_id, claimed.params, priority=job.priority,
+        return JobOrder(job.job_id, claimed.attempts, job.model_id, params)
+    return JobOrder(job.job_id, claimed.attempts, job.model_id, params, priority=job.priority,
                     account=account_key(job.account), resume=_resume_of(job.job_id, claimed))
 
 
@@ -128,9 +136,40 @@ def jobs_dispatch(*, now: datetime) -> list[Assignment]:
     finally:
         # Built once plan() let go of the dispatcher's lock: a resume reads its checkpoint from the
         # storage. Every job claimed is sent, even when the plan stopped half way.
-        for channel_name, protocol, job, claimed in orders:
-            to_socket_after_commit(channel_name, _job_order(job, claimed, protocol=protocol).to_wire())
+        lost = _send_orders(orders)
         jobs_changed(claimed_ids, now=now)  # dispatched
+        for job_id in lost:
+            _fail_without_image(job_id, now=now)
+
+
+def _send_orders(orders: list[tuple[str, int, QueuedJob, Claimed]]) -> list[str]:
+    """Send each claimed job its order; the ids of those whose init_image could not be read."""
+    lost: list[str] = []
+    for channel_name, protocol, job, claimed in orders:
+        try:
+            order = _job_order(job, claimed, protocol=protocol)
+        except OSError:
+            log.exception("job %s: its init_image %s could not be read", job.job_id, claimed.init_image)
+            lost.append(job.job_id)
+            continue
+        to_socket_after_commit(channel_name, order.to_wire())
+    return lost
+
+
+def _fail_without_image(job_id: str, *, now: datetime) -> None:
+    """A job whose init_image the storage cannot give fails (it would run as another job), and
+    its worker's place frees."""
+    held = Job.objects.filter(id=job_id, state=JobState.DISPATCHED)
+    worker_id = held.values_list("worker_id", flat=True).first()
+    if not worker_id:
+        return
+    with transaction.atomic():
+        if held.filter(worker_id=worker_id).update(state=JobState.FAILED, finished_at=now,
+                                                   error="its init_image could not be read from the storage"):
+            webhook_outbox(job_id, now=now)
+    jobs_changed([job_id], now=now)
+    if dispatcher().release(job_id, worker_id=worker_id):
+        jobs_dispatch(now=now)
 
 
 def jobs_dispatch_or_wake(*, queued: Collection[QueuedJob], now: datetime) -> list[Assignment]:

@@ -22,6 +22,7 @@ from scheduling.dispatcher import Dispatcher, dispatcher
 from scheduling.errors import JobAlreadyEnded, JobNotPaused, TooManyJobs
 from scheduling.eta import first_etas
 from scheduling.events import job_changed_as, jobs_changed
+from scheduling.images import INIT_IMAGE, init_image_store, param_columns
 from scheduling.models import ENDED_STATES, HELD_STATES, UNFINISHED_STATES, Job, JobState
 from scheduling.services.dispatch import WORKERS_GROUP, jobs_dispatch, jobs_dispatch_or_wake
 from scheduling.services.job_rows import OFF_WORKER, drop_checkpoint, queued_job, to_microseconds, webhook_outbox
@@ -49,9 +50,17 @@ def job_submit(*, account: User, request: JobRequest, now: datetime) -> Job:
                           "(ACCOUNT_JOB_LIMIT); wait for some to end, or cancel some")
     # One INSERT commits on its own (no BEGIN/COMMIT round trips); inside a caller's transaction the
     # job is queued only once that commits.
-    job = Job.objects.create(account=account, model_id=manifest.model_id, params=request.params,
-                             priority=request.priority, created_at=now, submitted_us=to_microseconds(now),
-                             webhook_url=request.webhook_url, webhook_origin=request.webhook_origin)
+    # An init_image goes to the storage first (a failed insert leaves a stray file, never a row
+    # pointing at nothing); the row keeps the numbers the queue's queries read, in columns.
+    params = dict(request.params)
+    job = Job(account=account, model_id=manifest.model_id, priority=request.priority, created_at=now,
+              submitted_us=to_microseconds(now), webhook_url=request.webhook_url,
+              webhook_origin=request.webhook_origin, **param_columns(params))
+    image = params.pop(INIT_IMAGE, None)
+    if isinstance(image, str):
+        job.init_image = init_image_store(job.id, image)
+    job.params = params
+    job.save(force_insert=True)
     transaction.on_commit(lambda: _queue_and_dispatch(job, now=now))
     return job
 

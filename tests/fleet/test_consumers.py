@@ -207,6 +207,36 @@ async def test_it_sends_the_job_with_its_attempt_model_and_params(models, alice,
                                       "params": {"prompt": "a blue square"}}
 
 
+async def test_it_sends_the_init_image_as_submitted_though_the_row_keeps_none(models, alice, workers):
+    sent = "data:image/png;base64," + PNG_B64
+    job_id = str((await database_sync_to_async(job_submit)(
+        account=alice, now=timezone.now(),
+        request=JobRequest(params={"prompt": "repaint", "init_image": sent}, model_id="tiny-a"))).id)
+    worker = workers()
+
+    await worker.join(["tiny-a"])
+
+    assert (await worker.receive())["params"] == {"prompt": "repaint", "init_image": sent}
+    assert "init_image" not in (await job_row(job_id))["params"]
+
+
+async def test_a_job_whose_init_image_is_gone_fails_and_its_place_frees(models, alice, workers):
+    from django.core.files.storage import default_storage
+
+    job = await database_sync_to_async(job_submit)(
+        account=alice, now=timezone.now(),
+        request=JobRequest(params={"prompt": "repaint", "init_image": PNG_B64}, model_id="tiny-a"))
+    next_id = await submit(alice, prompt="after it")
+    await database_sync_to_async(default_storage.delete)(job.init_image)
+    worker = workers()
+
+    await worker.join(["tiny-a"])
+
+    assert (await worker.receive())["job_id"] == next_id  # never the job that would run as another
+    row = await job_row(str(job.id))
+    assert row["state"] == "failed" and "init_image" in row["error"]
+
+
 async def test_it_sends_a_job_submitted_while_the_worker_waits(models, alice, workers):
     worker = workers()
     await worker.join(["tiny-a"])
