@@ -43,7 +43,8 @@ class StateCollector:
         for model_id in sorted({model_id for model_id, _ in jobs}):
             queued.add_metric([model_id], jobs.get((model_id, JobState.QUEUED.value), 0))
         yield queued
-        total = CounterMetricFamily("potocolom_jobs", "Job rows per model and state (ended states only grow)",
+        total = CounterMetricFamily("potocolom_jobs",
+                                    "Jobs per model and state, purged ones too (ended states only grow)",
                                     labels=["model_id", "state"])
         for (model_id, state), count in sorted(jobs.items()):
             total.add_metric([model_id, state], count)

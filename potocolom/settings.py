@@ -98,6 +98,11 @@ WORKER_HEARTBEAT_SECONDS = envfloat("WORKER_HEARTBEAT_SECONDS", 10.0)
 JOB_CHECKPOINT_SECONDS = envint("JOB_CHECKPOINT_SECONDS", 10, minimum=0)
 # v2: a job_progress preview at most every this many steps (0: none), sent in welcome as preview_steps
 PREVIEW_STEPS = envint("PREVIEW_STEPS", 4, minimum=0)
+# Retention (docs/operations.md, "Retention"): ended jobs finished more than this many days ago are
+# purged with their files by a periodic run (0: kept forever; `manage.py purge_jobs` at any time),
+# and a job paused more than PAUSED_CHECKPOINT_DAYS ago loses its checkpoint (0: kept while paused).
+JOB_RETENTION_DAYS = envint("JOB_RETENTION_DAYS", 0, minimum=0)
+PAUSED_CHECKPOINT_DAYS = envint("PAUSED_CHECKPOINT_DAYS", 7, minimum=0)
 # Placement across workers (fleet.placement.driver): `demand` loads models where work waits and moves them
 # as demand moves; `off` leaves every worker with what it preloaded.
 PLACEMENT = envstr("PLACEMENT", "demand")

@@ -8,9 +8,10 @@ class SchedulingConfig(AppConfig):
     verbose_name = "Scheduling"
 
     def ready(self) -> None:
-        """Started with the process: the queue's rebuild and webhook delivery."""
+        """Started with the process: the queue's rebuild, webhook delivery and retention."""
         from potocolom.runtime import runtime
         from scheduling.dispatcher import DISPATCHER
+        from scheduling.retention_runner import RETENTION_RUNNER
         from scheduling.webhooks.runner import WEBHOOK_RUNNER
 
-        runtime.register(DISPATCHER, WEBHOOK_RUNNER)
+        runtime.register(DISPATCHER, WEBHOOK_RUNNER, RETENTION_RUNNER)

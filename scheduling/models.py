@@ -66,6 +66,9 @@ class Job(models.Model):
     checkpoint = models.CharField(max_length=300, blank=True, default="")
     checkpoint_step = models.PositiveIntegerField(null=True, blank=True)
     pause_requested = models.BooleanField(default=False)
+    # When it last became paused: a paused job's checkpoint is deleted PAUSED_CHECKPOINT_DAYS after
+    # (docs/operations.md, "Retention"); the job stays, and a resume starts it from step 0.
+    paused_at = models.DateTimeField(null=True, blank=True)
     # Its webhook (docs/protocol.md, "Webhooks"): where the job's end is POSTed ("" for none), and the
     # origin it was submitted to, which makes the URLs in the posted representation absolute.
     webhook_url = models.CharField(max_length=2000, blank=True, default="")
@@ -85,10 +88,27 @@ class Job(models.Model):
             # planner's statistics say about the table).
             models.Index(fields=["account"], condition=models.Q(state__in=UNFINISHED_STATES),
                          name="job_account_unfinished"),
+            # retention's purge walks the ended jobs oldest first, a batch at a time
+            models.Index(fields=["finished_at"], condition=models.Q(state__in=ENDED_STATES), name="job_ended_finished"),
         ]
 
     def __str__(self) -> str:
         return f"{self.id} ({self.model_id}, {self.state})"
+
+
+class PurgedJobs(models.Model):
+    """How many jobs of a model that ended in a state were purged (docs/operations.md, "Retention"):
+    GET /metrics adds them to the rows left, so that `potocolom_jobs` never goes down."""
+
+    model_id = models.CharField(max_length=200)
+    state = models.CharField(max_length=20, choices=JobState.choices)
+    count = models.PositiveBigIntegerField(default=0)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["model_id", "state"], name="purged_jobs_model_state")]
+
+    def __str__(self) -> str:
+        return f"{self.count} {self.model_id} {self.state} purged"
 
 
 class WebhookState(models.TextChoices):

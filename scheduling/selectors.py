@@ -12,7 +12,7 @@ from django.db.models.functions import Coalesce, Greatest
 
 from scheduling.dispatcher import dispatcher
 from scheduling.eta import ModelLoad, eta_seconds, first_etas, job_overhead_seconds
-from scheduling.models import HELD_STATES, Job, JobState
+from scheduling.models import HELD_STATES, Job, JobState, PurgedJobs
 from workers import selectors as worker_rows
 
 
@@ -50,9 +50,13 @@ def queue_snapshot() -> tuple[list[dict[str, Any]], dict[str, list[str]]]:
 
 
 def jobs_per_model_and_state() -> dict[tuple[str, str], int]:
-    """How many job rows each (model, state) has: one grouped query (GET /metrics)."""
+    """How many jobs each (model, state) has: one grouped query (GET /metrics), plus the jobs that
+    retention purged, so that an ended state's count never goes down."""
     rows = Job.objects.order_by().values_list("model_id", "state").annotate(n=Count("id"))
-    return {(model_id, state): n for model_id, state, n in rows}
+    counts = {(model_id, state): n for model_id, state, n in rows}
+    for model_id, state, purged in PurgedJobs.objects.values_list("model_id", "state", "count"):
+        counts[(model_id, state)] = counts.get((model_id, state), 0) + purged
+    return counts
 
 
 STEPS_UNSAID = 30  # what placement counts for a queued job whose params name no steps (its schema's default)

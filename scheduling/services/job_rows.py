@@ -29,14 +29,14 @@ def queued_job(job: Job) -> QueuedJob:
                      account=str(job.account_id))
 
 
-def send_back(held: QuerySet[Job], **fields: Any) -> JobState | None:
-    """Move a held job off its worker: to `queued`, or to `paused` when a pause was asked. Two
-    compare-and-sets, so that a pause asked meanwhile is never lost; the state it went to, or None
-    when `held` no longer finds it."""
+def send_back(held: QuerySet[Job], *, now: datetime, **fields: Any) -> JobState | None:
+    """Move a held job off its worker: to `queued`, or to `paused` (as of `now`) when a pause was
+    asked. Two compare-and-sets, so that a pause asked meanwhile is never lost; the state it went
+    to, or None when `held` no longer finds it."""
     if held.filter(pause_requested=False).update(state=JobState.QUEUED, **OFF_WORKER, **fields):
         return JobState.QUEUED
-    if held.filter(pause_requested=True).update(state=JobState.PAUSED, pause_requested=False, **OFF_WORKER,
-                                                 **fields):
+    if held.filter(pause_requested=True).update(state=JobState.PAUSED, pause_requested=False, paused_at=now,
+                                                 **OFF_WORKER, **fields):
         return JobState.PAUSED
     return None
 

@@ -207,7 +207,7 @@ def job_preempted(*, worker_id: str, job_id: str, step: int, steps: int, checkpo
     if stored:
         fields |= {"checkpoint": stored, "checkpoint_step": step}
     try:
-        back = send_back(held, **fields)
+        back = send_back(held, now=now, **fields)
     except Exception:
         checkpoint_discard(stored, keep=job.checkpoint)
         raise

@@ -146,7 +146,7 @@ def job_pause(*, job: Job, now: datetime) -> Job:
     """Pause a job that has not ended. A queued one is paused at once: it leaves the queue (its key,
     and its account's turn, stay in the row for its resume). A held one is preempted (job_pause_held) and
     becomes paused when its worker answers. A paused one stays so. JobAlreadyEnded for an ended one."""
-    if Job.objects.filter(id=job.id, state=JobState.QUEUED).update(state=JobState.PAUSED):
+    if Job.objects.filter(id=job.id, state=JobState.QUEUED).update(state=JobState.PAUSED, paused_at=now):
         dispatcher().remove(str(job.id))
         jobs_changed([str(job.id)], now=now)
         first_etas().forget(str(job.id))
@@ -194,7 +194,8 @@ def job_pause_held(*, job_id: str, worker_id: str | None, now: datetime, relayed
     released = current.release(job_id)
     _tell_holder(current, released, job_id, worker_id)
     if Job.objects.filter(id=job_id, state__in=HELD_STATES).update(
-            state=JobState.PAUSED, pause_requested=False, preemptions=F("preemptions") + 1, **OFF_WORKER):
+            state=JobState.PAUSED, pause_requested=False, preemptions=F("preemptions") + 1, paused_at=now,
+            **OFF_WORKER):
         jobs_changed([job_id], now=now)
     if released:
         jobs_dispatch(now=now)

@@ -34,7 +34,7 @@ def jobs_return(*, job_ids: set[str], now: datetime) -> None:
         current.release(str(job.id))
         if retry_decision(attempts=job.attempts) == "requeue":
             # back at its old place, from its latest checkpoint; paused instead when a pause was asked
-            back = send_back(Job.objects.filter(id=job.id, state__in=HELD_STATES, attempts=job.attempts),
+            back = send_back(Job.objects.filter(id=job.id, state__in=HELD_STATES, attempts=job.attempts), now=now,
                              attempts=job.attempts + 1, progress_step=None, progress_steps=None)
             if back == JobState.QUEUED:
                 current.push(queued_job(job))
