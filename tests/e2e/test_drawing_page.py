@@ -276,7 +276,7 @@ def test_it_reconnects_after_the_api_restarts_and_sends_the_canvas_again(
 
             # The API comes back on the same address: the page (and the worker) reconnect by themselves,
             # the new session goes live, and the canvas drawn so far is sent to it without a new stroke.
-            stack.start_api()
+            api = stack.start_api()  # the page's API process, on the stack's port
             expect(page.locator("#status")).to_have_text(LIVE, timeout=2 * WAIT_MS)
             assert worker.connections == 2
             wait_for(lambda: any(f["seq"] > before["seq"] for f in worker.frames()),
@@ -296,7 +296,7 @@ def test_it_reconnects_after_the_api_restarts_and_sends_the_canvas_again(
             waits = reconnect_waits(page)
             assert len(waits) >= 2 and all(w <= min(15.0, 0.5 * 2**n) for n, w in enumerate(waits)), waits
             page.evaluate(RECORD_STATUSES)
-            stack.kill(next(p for p in stack.processes if p.name == "daphne"))
+            stack.kill(api)  # the first listed daphne is the one killed before, with two API processes
             expect(page.locator("#status")).to_contain_text("Reconnecting in", timeout=WAIT_MS)
             assert reconnect_waits(page)[0] <= 0.5
         finally:
