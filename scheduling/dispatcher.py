@@ -339,6 +339,19 @@ class Dispatcher:
         with self.lock:
             return self.queues.position(job_id)
 
+    def positions(self, job_ids: Iterable[str]) -> dict[str, int]:
+        """The positions of the queued ones among these jobs, read at once."""
+        ids = list(job_ids)
+        if not ids:
+            return {}
+        with self.lock:
+            return self.queues.positions(ids)
+
+    def demand(self) -> dict[str, tuple[int, int]]:
+        """Queued jobs per model and their steps summed, as the queue counts them."""
+        with self.lock:
+            return self.queues.demand()
+
 
 # --- this process's dispatcher -------------------------------------------------------------------
 

@@ -90,6 +90,9 @@ class Job(models.Model):
                          name="job_account_unfinished"),
             # retention's purge walks the ended jobs oldest first, a batch at a time
             models.Index(fields=["finished_at"], condition=models.Q(state__in=ENDED_STATES), name="job_ended_finished"),
+            # the ETA's time per job beyond its steps: a model's latest successes, read on every
+            # estimate, 20 index entries however long the model's history
+            models.Index(fields=["model_id", "state", "-finished_at"], name="job_model_latest"),
         ]
 
     def __str__(self) -> str:

@@ -11,11 +11,14 @@ from typing import NamedTuple, Protocol, TypeVar
 from potocolom.protocol.rungs import RUNG_GROUP_OFFLOAD, RUNGS
 
 T = TypeVar("T")
+STEPS_UNSAID = 30  # what a job whose params name no steps counts for (the params schemas' default)
+STEPS_MAX = 999_999  # what one job counts for at most in the queue's sums (its entry holds 6 digits)
 
 
 class QueuedJob(NamedTuple):
     """A queued job as the queue sees it (a tuple: 100,000 of them load in milliseconds).
-    `turn_us` is set only on a job just popped: the turn key its dispatch gave its account."""
+    `turn_us` is set only on a job just popped: the turn key its dispatch gave its account.
+    `steps`: its denoising steps, which the queue sums per model (the ETA's and placement's demand)."""
 
     job_id: str
     model_id: str
@@ -23,6 +26,7 @@ class QueuedJob(NamedTuple):
     submitted_us: int
     account: str = ""
     turn_us: int | None = None
+    steps: int = STEPS_UNSAID
 
     @property
     def key(self) -> tuple[int, int, str]:

@@ -13,6 +13,7 @@ from django.db.models.functions import Coalesce, Greatest
 from scheduling.dispatcher import dispatcher
 from scheduling.eta import ModelLoad, eta_seconds, first_etas, job_overhead_seconds
 from scheduling.models import HELD_STATES, Job, JobState, PurgedJobs
+from scheduling.policy import STEPS_UNSAID
 from workers import selectors as worker_rows
 
 
@@ -23,11 +24,8 @@ def jobs_of(*, account: User, state: str | None = None) -> QuerySet[Job]:
 
 
 def positions_of(jobs: Iterable[Job]) -> dict[str, int]:
-    """Queue positions of the queued jobs among these."""
-    current = dispatcher()
-    found: dict[str, Any] = {str(job.id): current.position(str(job.id)) for job in jobs
-                             if job.state == JobState.QUEUED}
-    return {job_id: position for job_id, position in found.items() if position is not None}
+    """Queue positions of the queued jobs among these (a page's in one call to the queue)."""
+    return dispatcher().positions([str(job.id) for job in jobs if job.state == JobState.QUEUED])
 
 
 def position_of(job: Job) -> int | None:
@@ -59,16 +57,10 @@ def jobs_per_model_and_state() -> dict[tuple[str, str], int]:
     return counts
 
 
-STEPS_UNSAID = 30  # what placement counts for a queued job whose params name no steps (its schema's default)
-
-
 def queued_demand() -> dict[str, tuple[int, int]]:
-    """Queued jobs per model and their steps summed (placement's demand): one grouped query over
-    the rows' `steps` column."""
-    steps = Coalesce(F("steps"), Value(STEPS_UNSAID))
-    rows = (Job.objects.filter(state=JobState.QUEUED).order_by().values_list("model_id")
-            .annotate(jobs=Count("id"), steps=Sum(steps)))
-    return {model_id: (jobs, int(total or 0)) for model_id, jobs, total in rows}
+    """Queued jobs per model and their steps summed (placement's demand): the counters the queue
+    keeps as jobs come and go, never a scan of the queued rows."""
+    return dispatcher().demand()
 
 
 def recent_steps(*, since: Sequence[datetime]) -> dict[str, tuple[int, ...]]:
@@ -109,9 +101,7 @@ def model_loads(model_ids: Collection[str], *, now: datetime) -> dict[str, Model
     if not ids:
         return {}
     steps = Coalesce(F("steps"), Value(STEPS_UNSAID))
-    queued = {model_id: (jobs, int(total or 0)) for model_id, jobs, total in (
-        Job.objects.filter(state=JobState.QUEUED).order_by().values_list("model_id")
-        .annotate(jobs=Count("id"), steps=Sum(steps)))}
+    queued = dispatcher().demand()
     left = Greatest(Coalesce(F("progress_steps"), steps) - Coalesce(F("progress_step"), Value(0)), Value(0))
     held = {worker_id: (jobs, int(total or 0)) for worker_id, jobs, total in (
         Job.objects.filter(state__in=HELD_STATES).order_by().values_list("worker_id")

@@ -77,12 +77,15 @@ def placement_run(*, now: datetime, periodic: bool = False) -> list[PlacementAct
     planner's long-queue and trend rules (extra copies, for which only idle copies make room)."""
     if not placement_enabled():
         return []
+    # The queue's counters, read before the planner's transaction: the dispatcher's lock is never
+    # taken inside a transaction (a dispatch holds it while its claim waits for SQLite's write lock).
+    queued = job_reads.queued_demand()
     with planner_lock():
         workers = _connected_rows(now)
         if not workers:
             return []
         rules = placement_settings()
-        demand = _demand(since=now - timedelta(seconds=rules.demand_window_seconds),
+        demand = _demand(queued, since=now - timedelta(seconds=rules.demand_window_seconds),
                          burst_since=now - timedelta(seconds=rules.burst_window_seconds)
                          if rules.burst_busy_share > 0 else None)
         fleet = _fleet(workers, now=now)
@@ -104,10 +107,9 @@ def _connected_rows(now: datetime) -> list[Worker]:
                 .exclude(channel_name="").order_by("worker_id"))
 
 
-def _demand(*, since: datetime, burst_since: datetime | None) -> list[ModelDemand]:
-    """What waits per model, the trend since `since`, and the burst since `burst_since` (None: the
-    burst rule is off)."""
-    jobs = job_reads.queued_demand()
+def _demand(jobs: dict[str, tuple[int, int]], *, since: datetime, burst_since: datetime | None) -> list[ModelDemand]:
+    """What waits per model (`jobs`: queued jobs and their steps per model), the trend since `since`,
+    and the burst since `burst_since` (None: the burst rule is off)."""
     sessions = session_reads.waiting_sessions_per_model()
     arrived = job_reads.recent_steps(since=[since] if burst_since is None else [since, burst_since])
     out = []

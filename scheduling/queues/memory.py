@@ -38,7 +38,8 @@ class MemoryQueues:
     """Queued jobs per model; one owner mutates it.
 
     push and remove are O(log n) searches plus list shifts; pop is O(models) plus that; position is
-    O(accounts in the model's queue).
+    O(accounts in the model's queue). Each model's queued jobs and their steps are counted as they
+    come and go (`demand`).
     """
 
     shared = False  # no other process takes jobs from it
@@ -47,6 +48,7 @@ class MemoryQueues:
         self._models: dict[str, _ModelQueue] = {}
         self._jobs: dict[str, QueuedJob] = {}
         self._last: dict[tuple[str, str], int] = {}  # (model, account) -> last dispatch's turn
+        self._steps: dict[str, int] = {}  # model -> its queued jobs' steps summed
 
     def __len__(self) -> int:
         return len(self._jobs)
@@ -58,7 +60,7 @@ class MemoryQueues:
         """Replace the contents with `jobs` (the database's queued rows) and `turns` (each
         account's last dispatch per model)."""
         self._models, self._jobs = {}, {}
-        self._last = {}
+        self._last, self._steps = {}, {}
         for turn in turns:
             pair = (turn.model_id, turn.account)
             self._last[pair] = max(self._last.get(pair, turn.turn_us), turn.turn_us)
@@ -66,6 +68,7 @@ class MemoryQueues:
             queue.clock_us = max(queue.clock_us, turn.turn_us)
         for job in {job.job_id: job for job in jobs}.values():  # the last row of a job id wins
             self._jobs[job.job_id] = job
+            self._steps[job.model_id] = self._steps.get(job.model_id, 0) + job.steps
             queue = self._models.setdefault(job.model_id, _ModelQueue())
             queue.lines.setdefault(job.account, []).append(job.key)
             queue.oldest.setdefault(job.account, []).append((job.submitted_us, job.job_id))
@@ -104,6 +107,7 @@ class MemoryQueues:
             return False
         job = job._replace(turn_us=None)
         self._jobs[job.job_id] = job
+        self._steps[job.model_id] = self._steps.get(job.model_id, 0) + job.steps
         queue = self._models.setdefault(job.model_id, _ModelQueue())
         bisect.insort(queue.lines.setdefault(job.account, []), job.key)
         oldest = queue.oldest.setdefault(job.account, [])
@@ -116,6 +120,7 @@ class MemoryQueues:
         """Take a job out wherever it is; None when it is not queued."""
         job = self._jobs.pop(job_id, None)
         if job is not None:
+            self._steps[job.model_id] -= job.steps
             queue = self._models[job.model_id]
             line, oldest = queue.lines[job.account], queue.oldest[job.account]
             del line[bisect.bisect_left(line, job.key)]
@@ -163,6 +168,11 @@ class MemoryQueues:
         rank = bisect.bisect_left(queue.lines[job.account], job.key)
         return place_in_turns(rank, job.account, queue.lines_in_turn_order())
 
+    def positions(self, job_ids: Iterable[str]) -> dict[str, int]:
+        """The positions of those of these jobs that are queued (a page of jobs at once)."""
+        found = {job_id: self.position(job_id) for job_id in job_ids}
+        return {job_id: place for job_id, place in found.items() if place is not None}
+
     def queued(self, model_id: str) -> list[QueuedJob]:
         """A model's queued jobs in dispatch order."""
         queue = self._models.get(model_id)
@@ -174,6 +184,11 @@ class MemoryQueues:
         """Queued jobs per model (models with none left out)."""
         counts = {model_id: sum(map(len, queue.lines.values())) for model_id, queue in self._models.items()}
         return {model_id: count for model_id, count in counts.items() if count}
+
+    def demand(self) -> dict[str, tuple[int, int]]:
+        """Per model with queued jobs: how many, and their steps summed (kept as jobs come and go)."""
+        counts = self.counts()
+        return {model_id: (count, self._steps.get(model_id, 0)) for model_id, count in counts.items()}
 
     def turns(self) -> list[Turn]:
         """Every account's last turn per model (operators, and tests comparing with the database)."""

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 import redis
 
-from scheduling.policy import QueuedJob, Turn, merge_turns, turn_key
+from scheduling.policy import STEPS_MAX, QueuedJob, Turn, merge_turns, turn_key
 
 T = TypeVar("T")
 PRIORITY_MAX = 9
@@ -66,6 +66,11 @@ def member_of(job: QueuedJob) -> str:
     return f"{PRIORITY_MAX - job.priority}:{job.submitted_us:017d}:{job.job_id}"
 
 
+def steps_of(job: QueuedJob) -> str:
+    """The job's steps as its entry holds them: 6 digits (0 to STEPS_MAX)."""
+    return f"{min(max(int(job.steps), 0), STEPS_MAX):06d}"
+
+
 def job_of(member: str, model_id: str, account: str, turn: str | None = None) -> QueuedJob:
     return QueuedJob(job_id=member[MEMBER_HEAD:], model_id=model_id, priority=PRIORITY_MAX - int(member[0]),
                      submitted_us=int(member[2:19]), account=account, turn_us=int(turn) if turn else None)
@@ -82,12 +87,15 @@ def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-# KEYS[1] marker, KEYS[2] jobs, KEYS[3] counts, KEYS[4] last turns, KEYS[5] clocks; ARGV[1] the key
-# prefix ("{prefix}:"). Per model: q: lines (every account's jobs, members framed account + member,
-# so one account's members sort together), o: the same jobs by submission (oldest first), t: the
-# rotation (accounts with jobs, scored by their turn key). Lua compares strings with strcoll, which
-# follows the server's locale: `before` compares bytes, as sorted sets do. Numbers above 2^31 go
-# to Redis as strings ('%.0f'), never through Lua's default number format (14 digits).
+# KEYS[1] marker, KEYS[2] jobs, KEYS[3] counts, KEYS[4] last turns, KEYS[5] clocks, KEYS[6] steps;
+# ARGV[1] the key prefix ("{prefix}:"). A job's entry in `jobs`: its framed model, its steps in 6
+# digits, its line member. `counts` and `steps` hold each model's queued jobs and their steps
+# summed, kept by the same scripts that add and take jobs. Per model: q: lines (every account's
+# jobs, members framed account + member, so one account's members sort together), o: the same
+# jobs by submission (oldest first), t: the rotation (accounts with jobs, scored by their turn
+# key). Lua compares strings with strcoll, which follows the server's locale: `before` compares
+# bytes, as sorted sets do. Numbers above 2^31 go to Redis as strings ('%.0f'), never through
+# Lua's default number format (14 digits).
 _PRELUDE = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return redis.error_reply('QUEUE_LOST') end
 local base = ARGV[1]
@@ -101,13 +109,15 @@ local function before(a, b)
 end
 local function frame(s) return string.format('%04d', #s) .. s end
 local function bounds(account) local p = frame(account) return '[' .. p, '(' .. p .. ';' end
-local function entry_of(job_id)  -- model, line member, account, member of a queued job; nil when not queued
+-- model, line member, account, member, steps of a queued job; nil when not queued
+local function entry_of(job_id)
   local value = redis.call('HGET', KEYS[2], job_id)
   if not value then return nil end
   local n = tonumber(string.sub(value, 1, 4))
-  local model, line = string.sub(value, 5, 4 + n), string.sub(value, 5 + n)
+  local model, line = string.sub(value, 5, 4 + n), string.sub(value, 11 + n)
+  local steps = tonumber(string.sub(value, 5 + n, 10 + n))
   local a = tonumber(string.sub(line, 1, 4))
-  return model, line, string.sub(line, 5, 4 + a), string.sub(line, 5 + a)
+  return model, line, string.sub(line, 5, 4 + a), string.sub(line, 5 + a), steps
 end
 local function rekey(model, account)  -- the account's place in the model's rotation, or out of it
   local lo, hi = bounds(account)
@@ -125,36 +135,44 @@ local function rekey(model, account)  -- the account's place in the model's rota
 end
 local function take(model, line, account, member)
   local p = frame(account)
+  local job_id = string.sub(member, 21)
+  local steps = select(5, entry_of(job_id)) or 0
   redis.call('ZREM', base .. 'q:' .. model, line)
-  redis.call('ZREM', base .. 'o:' .. model, p .. string.sub(member, 3, 19) .. ':' .. string.sub(member, 21))
-  redis.call('HDEL', KEYS[2], string.sub(member, 21))
-  if redis.call('HINCRBY', KEYS[3], model, -1) <= 0 then redis.call('HDEL', KEYS[3], model) end
+  redis.call('ZREM', base .. 'o:' .. model, p .. string.sub(member, 3, 19) .. ':' .. job_id)
+  redis.call('HDEL', KEYS[2], job_id)
+  if redis.call('HINCRBY', KEYS[3], model, -1) <= 0 then
+    redis.call('HDEL', KEYS[3], model)
+    redis.call('HDEL', KEYS[6], model)
+  elseif steps > 0 then  -- never -0: Lua writes it "-0", which HINCRBY refuses
+    redis.call('HINCRBY', KEYS[6], model, -steps)
+  end
 end
 """
 
-# ARGV[2] job_id, ARGV[3] model_id, ARGV[4] account, ARGV[5] member
+# ARGV[2] job_id, ARGV[3] model_id, ARGV[4] account, ARGV[5] member, ARGV[6] steps (6 digits)
 _PUSH = _PRELUDE + """
 local p = frame(ARGV[4])
 local line = p .. ARGV[5]
-if redis.call('HSETNX', KEYS[2], ARGV[2], frame(ARGV[3]) .. line) == 0 then return 0 end
+if redis.call('HSETNX', KEYS[2], ARGV[2], frame(ARGV[3]) .. ARGV[6] .. line) == 0 then return 0 end
 redis.call('ZADD', base .. 'q:' .. ARGV[3], 0, line)
 redis.call('ZADD', base .. 'o:' .. ARGV[3], 0, p .. string.sub(ARGV[5], 3, 19) .. ':' .. ARGV[2])
 redis.call('HINCRBY', KEYS[3], ARGV[3], 1)
+redis.call('HINCRBY', KEYS[6], ARGV[3], tonumber(ARGV[6]))
 rekey(ARGV[3], ARGV[4])
 return 1
 """
 
-# ARGV[2] job_id -> {member, model, account} or nil
+# ARGV[2] job_id -> {member, model, account, '', steps} or nil
 _REMOVE = _PRELUDE + """
-local model, line, account, member = entry_of(ARGV[2])
+local model, line, account, member, steps = entry_of(ARGV[2])
 if not model then return nil end
 take(model, line, account, member)
 rekey(model, account)
-return {member, model, account}
+return {member, model, account, '', steps}
 """
 
 # ARGV[2] 1 to take the job, 0 to leave it; ARGV[3] the dispatch time in us, or ''; ARGV[4..] model
-# ids -> {member, model, account, turn given ('' when left in place)} or nil
+# ids -> {member, model, account, turn given ('' when left in place), steps} or nil
 _HEAD = _PRELUDE + """
 local best = nil  -- turn, account, member, model, line
 for i = 4, #ARGV do
@@ -173,6 +191,7 @@ for i = 4, #ARGV do
 end
 if not best then return nil end
 local account, member, model = best[2], best[3], best[4]
+local steps = select(5, entry_of(string.sub(member, 21)))
 local given = ''
 if ARGV[2] == '1' then
   local floor = tonumber(redis.call('HGET', KEYS[5], model) or '0')
@@ -186,55 +205,78 @@ if ARGV[2] == '1' then
   redis.call('HSET', KEYS[4], frame(account) .. model, given)
   rekey(model, account)
 end
-return {member, model, account, given}
+return {member, model, account, given, steps}
 """
 
-# ARGV[2] job_id -> 1-based position or nil (policy.place_in_turns)
-_POSITION = _PRELUDE + """
-local model, line, account = entry_of(ARGV[2])
-if not model then return nil end
-local lines = base .. 'q:' .. model
-local lo = bounds(account)
-local rank = redis.call('ZLEXCOUNT', lines, lo, '(' .. line)
-local place, ahead = 1, true
-for _, other in ipairs(redis.call('ZRANGE', base .. 't:' .. model, 0, -1)) do
-  if other == account then ahead = false end
-  local olo, ohi = bounds(other)
-  local length = redis.call('ZLEXCOUNT', lines, olo, ohi)
-  local cap = rank
-  if ahead then cap = rank + 1 end
-  place = place + math.min(length, cap)
+# ARGV[2..] job ids -> for each, its 1-based position, or 0 when it is not queued (policy.place_in_turns).
+# The lengths of a model's lines are read once for all the ids of that model.
+_POSITIONS = _PRELUDE + """
+local lengths = {}  -- model -> {{account, length} in rotation order}
+local out = {}
+for i = 2, #ARGV do
+  local model, line, account = entry_of(ARGV[i])
+  local place = 0
+  if model then
+    local lines = base .. 'q:' .. model
+    if not lengths[model] then
+      local each = {}
+      for _, other in ipairs(redis.call('ZRANGE', base .. 't:' .. model, 0, -1)) do
+        local olo, ohi = bounds(other)
+        each[#each + 1] = {other, redis.call('ZLEXCOUNT', lines, olo, ohi)}
+      end
+      lengths[model] = each
+    end
+    local lo = bounds(account)
+    local rank = redis.call('ZLEXCOUNT', lines, lo, '(' .. line)
+    local ahead = true
+    place = 1
+    for _, pair in ipairs(lengths[model]) do
+      if pair[1] == account then ahead = false end
+      local cap = rank
+      if ahead then cap = rank + 1 end
+      place = place + math.min(pair[2], cap)
+    end
+  end
+  out[#out + 1] = place
 end
-return place
+return out
 """
 
-# ARGV[2] model_id -> {accounts in rotation order, line members in order}
+# ARGV[2] model_id -> {accounts in rotation order, line members in order, their jobs' steps}
 _QUEUED = _PRELUDE + """
-return {redis.call('ZRANGE', base .. 't:' .. ARGV[2], 0, -1), redis.call('ZRANGE', base .. 'q:' .. ARGV[2], 0, -1)}
+local members = redis.call('ZRANGE', base .. 'q:' .. ARGV[2], 0, -1)
+local steps = {}
+for i, line in ipairs(members) do
+  local a = tonumber(string.sub(line, 1, 4))
+  steps[i] = select(5, entry_of(string.sub(line, 5 + a + 20))) or 0
+end
+return {redis.call('ZRANGE', base .. 't:' .. ARGV[2], 0, -1), members, steps}
 """
 _COUNTS = _PRELUDE + "return redis.call('HGETALL', KEYS[3])\n"
+_DEMAND = _PRELUDE + "return {redis.call('HGETALL', KEYS[3]), redis.call('HGETALL', KEYS[6])}\n"
 _TURNS = _PRELUDE + "return redis.call('HGETALL', KEYS[4])\n"
 _LENGTH = _PRELUDE + "return redis.call('HLEN', KEYS[2])\n"
 _CONTAINS = _PRELUDE + "return redis.call('HEXISTS', KEYS[2], ARGV[2])\n"
 
-# KEYS[1] lock, KEYS[2] marker, KEYS[3..6] jobs, counts, last turns, clocks; KEYS[7..10] their
-# staged copies; ARGV[1] token, ARGV[2] key prefix, ARGV[3] staged key prefix, ARGV[4..] staged
+# KEYS[1] lock, KEYS[2] marker, KEYS[3..7] jobs, counts, last turns, clocks, steps; KEYS[8..12]
+# their staged copies; ARGV[1] token, ARGV[2] key prefix, ARGV[3] staged key prefix, ARGV[4..] staged
 # models. Installs a rebuild's staged keys in one step, only while its lock is still held.
 _SWAP = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
 for _, model in ipairs(redis.call('HKEYS', KEYS[4])) do
   for _, kind in ipairs({'q:', 'o:', 't:'}) do redis.call('UNLINK', ARGV[2] .. kind .. model) end
 end
-redis.call('UNLINK', KEYS[3], KEYS[4], KEYS[5], KEYS[6])  -- freed in the background: the old contents may be large
+-- freed in the background: the old contents may be large
+redis.call('UNLINK', KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7])
 for i = 4, #ARGV do
   for _, kind in ipairs({'q:', 'o:', 't:'}) do
     redis.call('RENAME', ARGV[3] .. kind .. ARGV[i], ARGV[2] .. kind .. ARGV[i])
     redis.call('PERSIST', ARGV[2] .. kind .. ARGV[i])
   end
 end
-for i = 3, 6 do
-  if redis.call('EXISTS', KEYS[i + 4]) == 1 then
-    redis.call('RENAME', KEYS[i + 4], KEYS[i])
+for i = 3, 7 do
+  if redis.call('EXISTS', KEYS[i + 5]) == 1 then
+    redis.call('RENAME', KEYS[i + 5], KEYS[i])
     redis.call('PERSIST', KEYS[i])
   end
 end
@@ -242,12 +284,13 @@ redis.call('SET', KEYS[2], ARGV[1])
 return 1
 """
 
-# KEYS[1..3] a model's staged lines, oldest, rotation; KEYS[4] staged jobs, KEYS[5] staged counts;
-# ARGV[1] model_id, ARGV[2] line members, each after its byte length in 4 digits, ARGV[3] staging
-# TTL in ms, ARGV[4..] the rotation as key, account pairs (first chunk only).
+# KEYS[1..3] a model's staged lines, oldest, rotation; KEYS[4] staged jobs, KEYS[5] staged counts,
+# KEYS[6] staged steps; ARGV[1] model_id, ARGV[2] line members, each after its byte length in 4
+# digits and its job's steps in 6, ARGV[3] staging TTL in ms, ARGV[4..] the rotation as key,
+# account pairs (first chunk only).
 _LOAD = """
 local blob, model, at = ARGV[2], ARGV[1], 1
-local lines, oldest, entries, loaded = {}, {}, {}, 0
+local lines, oldest, entries, loaded, steps = {}, {}, {}, 0, 0
 local function frame(s) return string.format('%04d', #s) .. s end
 local function flush()
   if #lines > 0 then
@@ -259,8 +302,10 @@ local function flush()
 end
 while at <= #blob do
   local size = tonumber(string.sub(blob, at, at + 3))
-  local line = string.sub(blob, at + 4, at + 3 + size)
-  at = at + 4 + size
+  local digits = string.sub(blob, at + 4, at + 9)
+  local line = string.sub(blob, at + 10, at + 9 + size)
+  at = at + 10 + size
+  steps = steps + tonumber(digits)
   local a = tonumber(string.sub(line, 1, 4))
   local member = string.sub(line, 5 + a)
   local job_id = string.sub(member, 21)
@@ -269,14 +314,15 @@ while at <= #blob do
   oldest[#oldest + 1] = 0
   oldest[#oldest + 1] = string.sub(line, 1, 4 + a) .. string.sub(member, 3, 19) .. ':' .. job_id
   entries[#entries + 1] = job_id
-  entries[#entries + 1] = frame(model) .. line
+  entries[#entries + 1] = frame(model) .. digits .. line
   loaded = loaded + 1
   if #lines >= 2000 then flush() end  -- unpack's arguments stay far below Lua's stack limit
 end
 flush()
 for i = 4, #ARGV, 2 do redis.call('ZADD', KEYS[3], ARGV[i], ARGV[i + 1]) end
 redis.call('HINCRBY', KEYS[5], model, loaded)
-for i = 1, 5 do redis.call('PEXPIRE', KEYS[i], ARGV[3]) end
+redis.call('HINCRBY', KEYS[6], model, steps)
+for i = 1, 6 do redis.call('PEXPIRE', KEYS[i], ARGV[3]) end
 return loaded
 """
 
@@ -312,10 +358,11 @@ class RedisQueues:
         self._lock_ms, self._wait_seconds, self._poll_seconds = lock_ms, wait_seconds, poll_seconds
         self._base = f"{prefix}:"
         self._marker, self._jobs, self._counts = f"{prefix}:marker", f"{prefix}:jobs", f"{prefix}:counts"
-        self._last, self._clocks = f"{prefix}:turns", f"{prefix}:clocks"
+        self._last, self._clocks, self._steps = f"{prefix}:turns", f"{prefix}:clocks", f"{prefix}:steps"
         self._lock = f"{prefix}:lock"
         self._push, self._remove, self._head = (client.register_script(s) for s in (_PUSH, _REMOVE, _HEAD))
-        self._position, self._queued = client.register_script(_POSITION), client.register_script(_QUEUED)
+        self._positions, self._queued = client.register_script(_POSITIONS), client.register_script(_QUEUED)
+        self._demand = client.register_script(_DEMAND)
         self._counts_script, self._length = client.register_script(_COUNTS), client.register_script(_LENGTH)
         self._contains, self._swap = client.register_script(_CONTAINS), client.register_script(_SWAP)
         self._unlock, self._load = client.register_script(_UNLOCK), client.register_script(_LOAD)
@@ -323,7 +370,7 @@ class RedisQueues:
 
     def _run(self, script: Any, *args: object) -> Any:
         try:
-            return script(keys=[self._marker, self._jobs, self._counts, self._last, self._clocks],
+            return script(keys=[self._marker, self._jobs, self._counts, self._last, self._clocks, self._steps],
                           args=[self._base, *args])
         except redis.ResponseError as error:
             if str(error).startswith("QUEUE_LOST"):
@@ -334,7 +381,8 @@ class RedisQueues:
         if not reply:
             return None
         turn = _text(reply[3]) if len(reply) > 3 else None
-        return job_of(_text(reply[0]), _text(reply[1]), _text(reply[2]), turn)
+        job = job_of(_text(reply[0]), _text(reply[1]), _text(reply[2]), turn or None)
+        return job._replace(steps=int(reply[4])) if len(reply) > 4 and reply[4] is not None else job
 
     # the MemoryQueues interface
 
@@ -346,7 +394,7 @@ class RedisQueues:
 
     def push(self, job: QueuedJob) -> bool:
         """Add a job; False (and no change) when it is queued already."""
-        return self._run(self._push, job.job_id, job.model_id, job.account, member_of(job)) == 1
+        return self._run(self._push, job.job_id, job.model_id, job.account, member_of(job), steps_of(job)) == 1
 
     def remove(self, job_id: str) -> QueuedJob | None:
         """Take a job out wherever it is; None when it is not queued."""
@@ -365,16 +413,30 @@ class RedisQueues:
 
     def position(self, job_id: str) -> int | None:
         """The 1-based place among queued jobs of its model, in the order the turns give."""
-        place = self._run(self._position, job_id)
-        return None if place is None else int(place)
+        return self.positions([job_id]).get(job_id)
+
+    def positions(self, job_ids: Iterable[str]) -> dict[str, int]:
+        """The positions of those of these jobs that are queued: one script for them all."""
+        ids = list(job_ids)
+        if not ids:
+            return {}
+        places = self._run(self._positions, *ids)
+        return {job_id: int(place) for job_id, place in zip(ids, places, strict=True) if int(place) > 0}
+
+    def demand(self) -> dict[str, tuple[int, int]]:
+        """Per model with queued jobs: how many, and their steps summed (kept by the scripts)."""
+        counts, steps = self._run(self._demand)
+        summed = {_text(steps[i]): int(steps[i + 1]) for i in range(0, len(steps), 2)}
+        return {_text(counts[i]): (int(counts[i + 1]), summed.get(_text(counts[i]), 0))
+                for i in range(0, len(counts), 2)}
 
     def queued(self, model_id: str) -> list[QueuedJob]:
         """A model's queued jobs in dispatch order."""
-        rotation, members = self._run(self._queued, model_id)
+        rotation, members, steps = self._run(self._queued, model_id)
         lines: dict[str, list[QueuedJob]] = {}
-        for line in members:
+        for line, job_steps in zip(members, steps, strict=True):
             account, member = split_line_member(_text(line))
-            lines.setdefault(account, []).append(job_of(member, model_id, account))
+            lines.setdefault(account, []).append(job_of(member, model_id, account)._replace(steps=int(job_steps)))
         return merge_turns(lines[_text(account)] for account in rotation)
 
     def counts(self) -> dict[str, int]:
@@ -445,7 +507,7 @@ class RedisQueues:
         self.client.delete(self._marker)
         staging = f"{self.prefix}:build:{token}"
         staged_base = f"{staging}:"
-        staged = [f"{staging}:jobs", f"{staging}:counts", f"{staging}:turns", f"{staging}:clocks"]
+        staged = [f"{staging}:jobs", f"{staging}:counts", f"{staging}:turns", f"{staging}:clocks", f"{staging}:steps"]
         jobs: dict[str, QueuedJob] = {}
         for job in load():
             jobs[job.job_id] = job  # the last row of a job id wins, as in MemoryQueues.rebuild
@@ -455,10 +517,11 @@ class RedisQueues:
                 raise ValueError(f"turn_us {turn.turn_us} is outside 0..{TURN_US_LIMIT - 1}")
             pair = (turn.model_id, turn.account)
             last[pair] = max(last.get(pair, turn.turn_us), turn.turn_us)
-        by_model: dict[str, list[bytes]] = {}
+        by_model: dict[str, list[tuple[bytes, int]]] = {}
         oldest: dict[tuple[str, str], int] = {}
         for job in jobs.values():
-            by_model.setdefault(job.model_id, []).append((framed(job.account) + member_of(job)).encode())
+            by_model.setdefault(job.model_id, []).append(((framed(job.account) + member_of(job)).encode(),
+                                                          int(steps_of(job))))
             pair = (job.model_id, job.account)
             oldest[pair] = min(oldest.get(pair, job.submitted_us), job.submitted_us)
         rotation: dict[str, list[str]] = {}
@@ -474,9 +537,9 @@ class RedisQueues:
                 model_keys = [staged_base + kind + model_id for kind in kinds]
                 for start in range(0, len(members), REBUILD_CHUNK_JOBS):
                     # one framed string per chunk: redis-py packs 200,000 separate arguments 4x slower
-                    blob = b"".join(b"%04d%s" % (len(member), member)
-                                    for member in members[start:start + REBUILD_CHUNK_JOBS])
-                    self._load(keys=[*model_keys, staged[0], staged[1]],
+                    blob = b"".join(b"%04d%06d%s" % (len(member), steps, member)
+                                    for member, steps in members[start:start + REBUILD_CHUNK_JOBS])
+                    self._load(keys=[*model_keys, staged[0], staged[1], staged[4]],
                                args=[model_id, blob, STAGING_TTL_MS, *(rotation[model_id] if start == 0 else [])])
             pairs = [item for (model_id, account), turn in last.items() for item in (framed(account) + model_id, turn)]
             for start in range(0, len(pairs), 2 * REBUILD_CHUNK_JOBS):
@@ -484,7 +547,7 @@ class RedisQueues:
             if clocks:
                 self._load_turns(keys=[staged[3]], args=[STAGING_TTL_MS, *(i for kv in clocks.items() for i in kv)])
             return self._swap(keys=[self._lock, self._marker, self._jobs, self._counts, self._last, self._clocks,
-                                    *staged],
+                                    self._steps, *staged],
                               args=[token, self._base, staged_base, *by_model]) == 1
         finally:
             self.client.delete(*staged_keys)  # left only when the swap did not happen
@@ -552,6 +615,13 @@ class RecoveringQueues:
 
     def position(self, job_id: str) -> int | None:
         return self._retry(lambda: self.redis.position(job_id))
+
+    def positions(self, job_ids: Iterable[str]) -> dict[str, int]:
+        ids = list(job_ids)
+        return self._retry(lambda: self.redis.positions(ids))
+
+    def demand(self) -> dict[str, tuple[int, int]]:
+        return self._retry(self.redis.demand)
 
     def queued(self, model_id: str) -> list[QueuedJob]:
         return self._retry(lambda: self.redis.queued(model_id))

@@ -12,7 +12,7 @@ from django.db.models import QuerySet
 
 from scheduling.checkpoints import checkpoint_discard
 from scheduling.models import Job, JobState, WebhookDelivery
-from scheduling.policy import QueuedJob
+from scheduling.policy import STEPS_UNSAID, QueuedJob
 from scheduling.signals import webhook_due
 
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -26,7 +26,7 @@ def to_microseconds(moment: datetime) -> int:
 
 def queued_job(job: Job) -> QueuedJob:
     return QueuedJob(job_id=str(job.id), model_id=job.model_id, priority=job.priority, submitted_us=job.submitted_us,
-                     account=str(job.account_id))
+                     account=str(job.account_id), steps=STEPS_UNSAID if job.steps is None else job.steps)
 
 
 def send_back(held: QuerySet[Job], *, now: datetime, **fields: Any) -> JobState | None:

@@ -262,15 +262,16 @@ class BothQueuesMachine(RuleBasedStateMachine):
         return "a"
 
     @rule(target=job_ids, job_id=JOB_IDS, model=st.sampled_from(MODELS), priority=st.integers(0, 9), at=INSTANTS,
-          account=ACCOUNTS)
-    def push(self, job_id: str, model: str, priority: int, at: int, account: str) -> str:
-        pushed = QueuedJob(job_id, model, priority, at, account)
+          account=ACCOUNTS, steps=st.integers(0, 60))
+    def push(self, job_id: str, model: str, priority: int, at: int, account: str, steps: int) -> str:
+        pushed = QueuedJob(job_id, model, priority, at, account, steps=steps)
         assert self.redis.push(pushed) == self.reference.push(pushed)
         return job_id
 
-    @rule(job_id=job_ids, model=st.sampled_from(MODELS), priority=st.integers(0, 9), at=INSTANTS, account=ACCOUNTS)
-    def push_a_known_id(self, job_id: str, model: str, priority: int, at: int, account: str) -> None:
-        pushed = QueuedJob(job_id, model, priority, at, account)
+    @rule(job_id=job_ids, model=st.sampled_from(MODELS), priority=st.integers(0, 9), at=INSTANTS, account=ACCOUNTS,
+          steps=st.integers(0, 60))
+    def push_a_known_id(self, job_id: str, model: str, priority: int, at: int, account: str, steps: int) -> None:
+        pushed = QueuedJob(job_id, model, priority, at, account, steps=steps)
         assert self.redis.push(pushed) == self.reference.push(pushed)
 
     @rule(job_id=job_ids)
@@ -297,11 +298,18 @@ class BothQueuesMachine(RuleBasedStateMachine):
     def they_agree(self) -> None:
         assert len(self.redis) == len(self.reference)
         assert self.redis.counts() == self.reference.counts()
+        # each model's jobs and steps, as the scripts counted them, are what its queue holds
+        held = {model: self.reference.queued(model) for model in MODELS}
+        assert self.redis.demand() == self.reference.demand() == {
+            model: (len(jobs), sum(j.steps for j in jobs)) for model, jobs in held.items() if jobs}
         assert self.redis.turns() == self.reference.turns()
         for model in MODELS:
             queued = self.reference.queued(model)
             assert self.redis.queued(model) == queued
             assert [self.redis.position(j.job_id) for j in queued] == list(range(1, len(queued) + 1))
+            ids = [j.job_id for j in queued] + ["never-queued"]
+            assert self.redis.positions(ids) == self.reference.positions(ids) == {
+                j.job_id: n for n, j in enumerate(queued, start=1)}
 
 
 BothQueuesMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
