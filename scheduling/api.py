@@ -22,7 +22,7 @@ from rest_framework.views import APIView
 
 from models_registry.errors import InvalidParams
 from potocolom.protocol.errors import InvalidRequest
-from scheduling import selectors, services
+from scheduling import events, selectors, services
 from scheduling.images import INIT_IMAGE, init_image_content, init_image_problem
 from scheduling.models import Job, JobState, WebhookDelivery
 from scheduling.serializers import JobCreateSerializer, JobSerializer
@@ -72,7 +72,10 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
         return super().get_object()
 
     def get_serializer_context(self) -> dict[str, Any]:
-        return {**super().get_serializer_context(), "positions": getattr(self, "_positions", {})}
+        context = {**super().get_serializer_context(), "positions": getattr(self, "_positions", {})}
+        if hasattr(self, "_etas"):
+            context["etas"] = self._etas
+        return context
 
     def paginate_queryset(self, queryset: Any) -> Any:
         page = super().paginate_queryset(queryset)
@@ -105,12 +108,21 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
             job_request = replace(job_request, webhook_url=webhook_url,
                                   webhook_origin=f"{request.scheme}://{request.get_host()}")
         job = services.job_submit(account=account_of(request), request=job_request, now=timezone.now())
-        # `job` is as submitted, or as dispatched when a worker of this process took it at once;
-        # one another process took meanwhile is no longer queued here: read what it became
-        self._positions = selectors.positions_of([job])
-        if job.state == JobState.QUEUED and str(job.id) not in self._positions:
-            job.refresh_from_db()
-        return Response(self.get_serializer(job).data, status=status.HTTP_201_CREATED)
+        # `job` is as submitted, or as dispatched when a worker of this process took it at once
+        return Response(self._as_announced(job), status=status.HTTP_201_CREATED)
+
+    def _as_announced(self, job: Job) -> dict[str, Any]:
+        """A job just queued (submitted or resumed) as its event announced it: the same position and
+        estimated wait, placed once for both."""
+        said = events.announced(str(job.id))
+        if job.state == JobState.QUEUED and said is not None and said[0] is not None:  # queued as it was said
+            self._positions = {str(job.id): said[0]}
+            self._etas = {str(job.id): said[1]} if said[1] is not None else {}
+        else:  # one another process took meanwhile is no longer queued here: read what it became
+            self._positions = selectors.positions_of([job])
+            if job.state == JobState.QUEUED and str(job.id) not in self._positions:
+                job.refresh_from_db()
+        return self.get_serializer(job).data
 
     @extend_schema(request=None, responses={200: JobSerializer})
     @action(detail=True, methods=["post"])
@@ -130,7 +142,7 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
     @action(detail=True, methods=["post"])
     def resume(self, request: Request, pk: str | None = None) -> Response:
         """Queue a paused job again at its old place (409 when it is not paused, or has ended)."""
-        return self._answer(services.job_resume(job=self.get_object(), now=timezone.now()))
+        return Response(self._as_announced(services.job_resume(job=self.get_object(), now=timezone.now())))
 
     def _answer(self, job: Job) -> Response:
         """The job as it is now, with its position when it is queued."""

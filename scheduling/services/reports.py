@@ -21,7 +21,7 @@ from potocolom.signals import work_ended
 from scheduling.checkpoints import checkpoint_discard, checkpoint_save
 from scheduling.dispatcher import dispatcher
 from scheduling.eta import first_etas
-from scheduling.events import job_progressed, jobs_changed
+from scheduling.events import batching, job_progressed, jobs_changed
 from scheduling.models import HELD_STATES, Job, JobState
 from scheduling.services.dispatch import jobs_dispatch, jobs_dispatch_or_wake
 from scheduling.services.job_rows import queued_job, send_back, to_microseconds, webhook_outbox
@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 MAX_IMAGE_BYTES = 12 * 1024 * 1024
 
 
+@batching
 def job_started(*, worker_id: str, job_id: str, now: datetime) -> bool:
     dispatcher().started(job_id, worker_id=worker_id)
     started = Job.objects.filter(id=job_id, worker_id=worker_id, state=JobState.DISPATCHED).update(
@@ -96,6 +97,7 @@ def decode_image(value: str) -> tuple[bytes, str]:
     raise ValueError("an image must be a PNG or a JPEG")
 
 
+@batching
 def job_finish(*, worker_id: str, job_id: str, images: list[str], gpu_ms: float | None, rung: str,
                now: datetime) -> bool:
     """Store a job's images and mark it succeeded; frees the worker's place for the next job. (No
@@ -134,6 +136,7 @@ def _delete_images(names: list[str]) -> None:
             log.exception("could not delete %s", name)
 
 
+@batching
 def job_fail(*, worker_id: str, job_id: str, error: str, now: datetime) -> bool:
     """A failure the worker reports is final. A v2 worker's answer to `cancel` only frees its place."""
     if _let_go(job_id, worker_id, now=now):
@@ -186,6 +189,7 @@ def job_checkpoint(*, worker_id: str, job_id: str, step: int, steps: int, checkp
     return kept
 
 
+@batching
 def job_preempted(*, worker_id: str, job_id: str, step: int, steps: int, checkpoint: bytes | None,
                   now: datetime) -> bool:
     """A worker stopped a job at a step boundary (told to by `preempt`, or draining) and no longer

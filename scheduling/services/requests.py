@@ -21,7 +21,7 @@ from potocolom.transport.notify import to_socket_after_commit
 from scheduling.dispatcher import Dispatcher, dispatcher
 from scheduling.errors import JobAlreadyEnded, JobNotPaused, TooManyJobs
 from scheduling.eta import first_etas
-from scheduling.events import job_changed_as, jobs_changed
+from scheduling.events import batching, job_changed_as, jobs_changed
 from scheduling.images import INIT_IMAGE, init_image_store, param_columns
 from scheduling.models import ENDED_STATES, HELD_STATES, UNFINISHED_STATES, Job, JobState
 from scheduling.services.dispatch import WORKERS_GROUP, jobs_dispatch, jobs_dispatch_or_wake
@@ -39,6 +39,7 @@ class JobRequest:
     webhook_origin: str = ""  # scheme://host the job was submitted to: its posted URLs are absolute on it
 
 
+@batching
 def job_submit(*, account: User, request: JobRequest, now: datetime) -> Job:
     """Route, persist and queue a job; workers with room get it after the commit."""
     manifest = route(registered_manifests(), model_id=request.model_id, tier=request.tier,
@@ -124,6 +125,7 @@ def job_cancel(*, job: Job, now: datetime) -> Job:
     return job
 
 
+@batching
 def job_requeue(*, job: Job, now: datetime) -> Job:
     """Operators: put a failed, cancelled or stuck job back in the queue at its old place."""
     worker_id = Job.objects.filter(id=job.id).values_list("worker_id", flat=True).first()
@@ -159,6 +161,7 @@ def job_pause(*, job: Job, now: datetime) -> Job:
     return job
 
 
+@batching
 def job_resume(*, job: Job, now: datetime) -> Job:
     """A paused job is queued again at its old place: the same key (priority, submission) in its
     account's line, and the account's turn untouched, as for a job sent back. JobNotPaused for a job

@@ -220,3 +220,45 @@ async def test_a_closed_socket_frees_its_place(alice, token, job_sockets, socket
 
 def test_the_socket_limit_is_the_setting_s_default(settings):
     assert settings.ACCOUNT_SOCKET_LIMIT == 20
+
+
+def changes_in_one_call(*named: list[str]) -> int:
+    """Each list of job ids changed, one after another, within one batched call (as a worker's
+    report or a submission makes them); the reads of job rows by id the events made."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from scheduling.events import batched, jobs_changed
+
+    with CaptureQueriesContext(connection) as queries, batched():
+        for ids in named:
+            jobs_changed(ids)
+    return sum(1 for query in queries.captured_queries
+               if query["sql"].startswith("SELECT") and '"scheduling_job"."id" IN' in query["sql"])
+
+
+async def test_the_events_of_one_call_go_together_in_order_each_job_once_as_last_named(alice, token, job_sockets):
+    first, second = await submit(alice), await submit(alice)
+    events = await events_of(alice, job_sockets)
+
+    reads = await database_sync_to_async(changes_in_one_call)([first], [second], [first])
+
+    assert [(await next_job_event(events))["id"] for _ in range(2)] == [second, first]
+    assert reads == 1  # one read of the rows for every change of the call
+    assert await events.receive_nothing(timeout=0.1)
+
+
+async def test_a_submissions_answer_places_the_job_as_its_event_did(alice, token, job_sockets):
+    events = await events_of(alice, job_sockets)
+    await submit(alice)  # first in line, ahead of the one watched
+
+    response = await database_sync_to_async(
+        lambda: api_client(alice).post("/api/v1/jobs/", {"model_id": "tiny-a", "params": {"prompt": "x"}},
+                                       format="json"))()
+
+    assert response.status_code == 201
+    await next_job_event(events)
+    said = await next_job_event(events)
+    answer = response.json()
+    assert said["id"] == answer["id"] and said["state"] == answer["state"] == "queued"
+    assert (said["position"], said["eta_seconds"]) == (answer["position"], answer["eta_seconds"]) == (2, None)
