@@ -37,34 +37,41 @@ class JobEventsConsumer(RelayConsumer):
     origin = ""
 
     async def connect(self) -> None:
-        """Accept, then listen to the account's job events, or close with the code that says why not
-        (4000 a bad job_id, 4001 no account, 4003 the account holds ACCOUNT_SOCKET_LIMIT sockets)."""
-        await self.accept()
+        """Listen to the account's job events, then accept: once the client sees the socket open,
+        every event of what it does next reaches it. Or accept and close at once with the code that
+        says why not (4000 a bad job_id, 4001 no account, 4003 the account holds
+        ACCOUNT_SOCKET_LIMIT sockets)."""
         query = parse_qs(self.scope.get("query_string", b"").decode("latin-1"))
         wanted = query.get("job_id", [])
         if len(wanted) > MAX_JOB_FILTERS or not all(_is_uuid(job_id) for job_id in wanted):
-            await self.close(code=close_codes.BAD_QUERY, reason="job_id must be job ids (UUIDs), at most 200")
+            await self._refuse(close_codes.BAD_QUERY, "job_id must be job ids (UUIDs), at most 200")
             return
         account = await database_sync_to_async(socket_account)(
             user=self.scope.get("user"), token=presented_token(self.scope))
         if account is None:
-            await self.close(code=close_codes.NOT_AUTHENTICATED, reason="not authenticated")
+            await self._refuse(close_codes.NOT_AUTHENTICATED, "not authenticated")
             return
         limit, seats = settings.ACCOUNT_SOCKET_LIMIT, socket_seats()
         async with seats.turn(str(account.pk)):  # the account's sockets in the order they came
-            # in the group at once (the events of what the client does next are kept in this
-            # channel until connect returns), heard only once the socket has its place (account_id)
-            self.group = account_group(account.pk)
-            await relay.group_membership(self.channel_layer, self.group, self.channel_name)
+            # its place first (events are prepared only for accounts with a place taken), then in
+            # the group; events that come before connect returns wait in this channel's inbox
             taken = await seats.take(account=str(account.pk), socket=self.channel_name, limit=limit)
+            if taken:
+                self.group = account_group(account.pk)
+                await relay.group_membership(self.channel_layer, self.group, self.channel_name)
         if not taken:
-            await self.disconnect(close_codes.SOCKET_LIMIT)
             error = SocketLimitReached(f"the account already holds {limit} job sockets")
-            await self.close(code=close_code_of(error), reason=str(error.detail))
+            await self._refuse(close_code_of(error), str(error.detail))
             return
         self.job_ids = frozenset(str(uuid.UUID(job_id)) for job_id in wanted)
         self.account_id = str(account.pk)
         self.origin = self._origin()
+        await self.accept()
+
+    async def _refuse(self, code: int, reason: str) -> None:
+        """Accept and close at once (a close code reaches only an accepted socket)."""
+        await self.accept()
+        await self.close(code=code, reason=reason)
 
     async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
         """The client has nothing to say on this socket: what it sends is ignored."""

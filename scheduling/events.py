@@ -17,6 +17,7 @@ from datetime import datetime
 from functools import partial
 from typing import Any, TypeVar
 
+from django.conf import settings
 from django.db import transaction
 from django.db.models import DateTimeField
 from django.utils import timezone
@@ -24,6 +25,7 @@ from django.utils import timezone
 from potocolom.protocol.events import JobChanged, JobProgressed
 from potocolom.runtime import Slot, runtime
 from potocolom.transport import relay
+from potocolom.web.socket_limit import socket_seats
 from scheduling import selectors
 from scheduling.models import Job
 
@@ -70,6 +72,15 @@ def batched() -> Iterator[None]:
         changes, pending.changes = pending.changes, None
         if changes:
             _flush(changes)
+
+
+def send_pending() -> None:
+    """Send this thread's held events now (before waking another process, whose events about the
+    same jobs must come after these)."""
+    pending = _pending()
+    changes, pending.changes = pending.changes, ([] if pending.changes is not None else None)
+    if changes:
+        _flush(changes)
 
 
 def batching(function: F) -> F:
@@ -128,7 +139,8 @@ def _flush(changes: Sequence[tuple[list[str], list[tuple[Job, int | None]], date
     job named twice goes once, where it was last named, as read) and sent under the lock that keeps
     this process's reads and sends of a job in one order."""
     now = next((at for _, _, at in reversed(changes) if at is not None), None) or timezone.now()
-    given = [(job, position) for _, jobs, _ in changes for job, position in jobs]
+    listens = _Listeners()
+    given = [(job, position) for _, jobs, _ in changes for job, position in jobs if listens(job.account_id)]
     positions = {str(job.id): position for job, position in given if position is not None}
     etas = _estimates([job for job, _ in given], positions, now=now)
     _pending().announced = {str(job.id): (positions.get(str(job.id)), etas.get(str(job.id))) for job, _ in given}
@@ -138,7 +150,7 @@ def _flush(changes: Sequence[tuple[list[str], list[tuple[Job, int | None]], date
         return
     with runtime.get(READ_AND_SEND):
         try:
-            read = {str(job.id): job for job in Job.objects.filter(id__in=ids)}
+            read = {str(job.id): job for job in Job.objects.filter(id__in=ids) if listens(job.account_id)}
         except Exception:  # a notice: the change is in the database, and REST shows it
             log.exception("could not read jobs %s for their events", sorted(ids))
             read = {}
@@ -156,6 +168,24 @@ def _flush(changes: Sequence[tuple[list[str], list[tuple[Job, int | None]], date
         positions.update(placed)
         etas.update(_estimates([job for job in fresh if str(job.id) in placed], placed, now=now))  # rarely any
         _send(ordered, positions, etas)
+
+
+class _Listeners:
+    """Whether an account has a job socket open anywhere, asked once per account: an event for an
+    account nobody listens to is neither placed nor sent. Its sockets here say yes at once; with one
+    API process (no REDIS_URL) none here is a sure no; else the deployment's socket count (each
+    socket takes its place there before it joins its group) says, and a Redis that cannot tell says
+    yes."""
+
+    def __init__(self) -> None:
+        self.known: dict[str, bool] = {}
+
+    def __call__(self, account_id: int | str) -> bool:
+        account = str(account_id)
+        if account not in self.known:
+            self.known[account] = relay.has_local_members(account_group(account)) or (
+                bool(settings.REDIS_URL) and socket_seats().anyone_listens(account))
+        return self.known[account]
 
 
 def _estimates(jobs: list[Job], positions: dict[str, int], *, now: datetime) -> dict[str, float]:

@@ -179,6 +179,11 @@ def notify_all_sync(target: str, message: dict[str, Any]) -> None:
         bus.broadcast_threadsafe(target, message)
 
 
+def has_local_members(group: str) -> bool:
+    """Whether a consumer of this process is in the group (group_membership)."""
+    return bool(_relay().members.get(group))
+
+
 def is_local(channel_name: str) -> bool:
     return channel_name in _relay().inboxes
 

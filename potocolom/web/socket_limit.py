@@ -47,6 +47,9 @@ class SocketCounts(Protocol):
     def release(self, *, account: str, socket: str) -> None:
         """`socket` closed."""
 
+    def count(self, *, account: str, now: float) -> int:
+        """The account's open sockets (an entry of a killed process counts until it lapses)."""
+
 
 class LocalSocketCounts:
     """Without Redis: the sockets of this process (one API process serves them all)."""
@@ -71,6 +74,10 @@ class LocalSocketCounts:
             self.open[account].discard(socket)
             if not self.open[account]:
                 del self.open[account]
+
+    def count(self, *, account: str, now: float) -> int:
+        with self.lock:
+            return len(self.open.get(account, ()))
 
 
 class RedisSocketCounts:
@@ -99,6 +106,9 @@ class RedisSocketCounts:
 
     def release(self, *, account: str, socket: str) -> None:
         self.client.zrem(self.key(account), socket)
+
+    def count(self, *, account: str, now: float) -> int:
+        return int(self.client.zcount(self.key(account), f"({now!r}", "+inf"))
 
 
 class SocketSeats:
@@ -154,6 +164,14 @@ class SocketSeats:
                 await asyncio.to_thread(self.counts.release, account=account, socket=socket)
             except redis.RedisError as exc:  # its entry lapses by itself
                 log.warning("socket %s of account %s not released: %s", socket, account, exc)
+
+    def anyone_listens(self, account: str) -> bool:
+        """Whether the account holds an open socket anywhere in the deployment; True when that cannot
+        be told (Redis away): a caller skips work only on a sure no."""
+        try:
+            return self.counts.count(account=account, now=self.clock()) > 0
+        except redis.RedisError:
+            return True
 
     def refresh_now(self) -> None:
         """Move the entries of this process's open sockets on (the task's pass)."""

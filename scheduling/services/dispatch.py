@@ -23,7 +23,7 @@ from potocolom.transport import relay
 from potocolom.transport.notify import to_socket_after_commit
 from scheduling.checkpoints import checkpoint_read
 from scheduling.dispatcher import Dispatcher, dispatcher
-from scheduling.events import jobs_changed
+from scheduling.events import jobs_changed, send_pending
 from scheduling.images import INIT_IMAGE, init_image_text
 from scheduling.models import Job, JobState
 from scheduling.policy import Assignment, Preemption, QueuedJob
@@ -184,7 +184,9 @@ def jobs_dispatch_or_wake(*, queued: Collection[QueuedJob], now: datetime) -> li
     for model_id in sorted({job.model_id for job in waiting}):
         work_waiting.send(sender=QueuedJob, model_id=model_id)  # placement may load it somewhere
     if dispatcher().shared and waiting:
-        # every process with a worker looks at the shared queue again (`jobs.available`)
+        # every process with a worker looks at the shared queue again (`jobs.available`): the events
+        # held so far go first (the `queued` that another process's `dispatched` must follow)
+        send_pending()
         relay.group_send_others_sync(WORKERS_GROUP, JobsAvailable(tuple(WaitingJob(*job[:5]) for job in waiting))
                                      .to_event())
     return assignments
