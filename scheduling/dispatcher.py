@@ -55,6 +55,9 @@ class Dispatcher:
         # A job asked back from the worker it waited on (policy.plan_moves) -> its move to an idle
         # worker, which counts it as held until it is dispatched there.
         self._moving: dict[str, Move] = {}
+        # Moves on whenever a worker of this process connects, leaves, drains, or gains or loses a
+        # model: what the ETA keeps of the fleet is read again after any of these.
+        self.fleet_version = 0
 
     @property
     def shared(self) -> bool:
@@ -83,6 +86,7 @@ class Dispatcher:
         `lost`, and a listed job the API does not give it gets `cancel` (it counts against the
         worker's depth until the worker lets it go)."""
         with self.lock:
+            self.fleet_version += 1
             joined, holds = on_hello(self._workers.pop(worker_id, None), self._orphans.pop(worker_id, None),
                                      channel_name=channel_name, held=held, listed=listed)
             self._workers[worker_id] = ConnectedWorker(worker_id, channel_name, frozenset(models), next(self._joined),
@@ -104,6 +108,7 @@ class Dispatcher:
         """Forget a connection; the jobs it held (to send back), or None when a newer connection of
         the same worker has taken over."""
         with self.lock:
+            self.fleet_version += 1
             worker = self._connected(worker_id, channel_name)
             if worker is None:
                 return None
@@ -117,6 +122,7 @@ class Dispatcher:
         """The worker said `draining` on this connection: no new job goes to it (it gives back what
         it holds as job_preempted). False when that connection is no longer the worker's."""
         with self.lock:
+            self.fleet_version += 1
             worker = self._connected(worker_id, channel_name)
             if worker is not None:
                 worker.draining = True
@@ -126,6 +132,7 @@ class Dispatcher:
         """The worker loaded `model_id` (placement), on `rung` when said: its jobs may go there from
         now on. False when that connection is no longer the worker's."""
         with self.lock:
+            self.fleet_version += 1
             worker = self._connected(worker_id, channel_name)
             if worker is None:
                 return False
@@ -145,6 +152,7 @@ class Dispatcher:
         """Before an unload: the worker takes no new job of `model_id`. False (and nothing changes)
         when it holds a job of it, or that connection is no longer the worker's."""
         with self.lock:
+            self.fleet_version += 1
             worker = self._connected(worker_id, channel_name)
             if worker is None or not worker.can_unload(model_id):
                 return False

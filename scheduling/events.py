@@ -145,6 +145,8 @@ def _flush(changes: Sequence[tuple[list[str], list[tuple[Job, int | None]], date
     etas = _estimates([job for job, _ in given], positions, now=now)
     _pending().announced = {str(job.id): (positions.get(str(job.id)), etas.get(str(job.id))) for job, _ in given}
     ids = {job_id for named, _, _ in changes for job_id in named}
+    if ids and listens.nobody():
+        ids = set()  # with one API process and no job socket open, no row is worth reading
     if not ids:
         _send([job for job, _ in given], positions, etas)
         return
@@ -179,6 +181,10 @@ class _Listeners:
 
     def __init__(self) -> None:
         self.known: dict[str, bool] = {}
+
+    def nobody(self) -> bool:
+        """Surely no account listens: one API process, and no job socket open in it."""
+        return not settings.REDIS_URL and not relay.has_local_members_in(account_group(""))
 
     def __call__(self, account_id: int | str) -> bool:
         account = str(account_id)

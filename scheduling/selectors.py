@@ -1,8 +1,10 @@
 """Reads of the job path: an account's jobs, queue positions, and the queue as operators see it."""
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
-from datetime import datetime
+import threading
+from collections.abc import Callable, Collection, Iterable, Sequence
+from datetime import datetime, timedelta
+from functools import partial
 from typing import Any
 
 from django.conf import settings
@@ -10,6 +12,7 @@ from django.contrib.auth.models import User
 from django.db.models import Count, F, Max, Q, QuerySet, Sum, Value
 from django.db.models.functions import Coalesce, Greatest
 
+from potocolom.runtime import Slot, runtime
 from scheduling.dispatcher import dispatcher
 from scheduling.eta import ModelLoad, eta_seconds, first_etas, job_overhead_seconds
 from scheduling.models import HELD_STATES, Job, JobState, PurgedJobs
@@ -93,10 +96,10 @@ OVERHEAD_SAMPLE_JOBS = 20  # a model's latest succeeded jobs, for its time per j
 
 def model_loads(model_ids: Collection[str], *, now: datetime) -> dict[str, ModelLoad]:
     """What the ETA reads of each model (scheduling.eta.ModelLoad): its queued jobs and steps, and
-    every other model's (one grouped query); the held jobs and the steps they have left on each
-    worker (one grouped query); the connected workers that take new jobs and the step_ms of their
-    copies (their hello's or model_loaded's); and the model's time per job beyond its steps, from
-    its latest succeeded jobs (one query a model)."""
+    every other model's (the queue's counters); the held jobs and the steps they have left on each
+    worker (one grouped query over the held rows); the connected workers that take new jobs and the
+    step_ms of their copies, and the model's time per job beyond its steps from its latest
+    succeeded jobs (both kept briefly: EtaReads)."""
     ids = sorted(set(model_ids))
     if not ids:
         return {}
@@ -106,12 +109,8 @@ def model_loads(model_ids: Collection[str], *, now: datetime) -> dict[str, Model
     held = {worker_id: (jobs, int(total or 0)) for worker_id, jobs, total in (
         Job.objects.filter(state__in=HELD_STATES).order_by().values_list("worker_id")
         .annotate(jobs=Count("id"), left=Sum(left)))}
-    copies: dict[str, dict[str, float | None]] = {}  # model_id -> worker_id -> its copy's step_ms
-    for worker in worker_rows.connected_workers(seconds=4 * settings.WORKER_HEARTBEAT_SECONDS, now=now):
-        if worker.draining:
-            continue
-        for entry in worker.models:
-            copies.setdefault(entry.model_id, {})[worker.worker_id] = entry.step_ms
+    kept = runtime.get(ETA_READS)
+    copies = kept.copies(now=now, version=dispatcher().fleet_version, read=lambda: _copies(now))
     loads = {}
     for model_id in ids:
         pool = copies.get(model_id, {})
@@ -127,8 +126,64 @@ def model_loads(model_ids: Collection[str], *, now: datetime) -> dict[str, Model
             held_steps_left=sum(held.get(worker_id, (0, 0))[1] for worker_id in pool),
             copies_step_ms=tuple(pool.values()), shared_queued_jobs=shared_jobs, shared_queued_steps=shared_steps,
             held_jobs=sum(held.get(worker_id, (0, 0))[0] for worker_id in pool),
-            job_overhead_seconds=job_overhead_seconds(_recent_runs(model_id), step_ms=step_ms))
+            job_overhead_seconds=kept.overhead(model_id, step_ms=step_ms, now=now,
+                                               read=partial(_recent_runs, model_id)))
     return loads
+
+
+def _copies(now: datetime) -> dict[str, dict[str, float | None]]:
+    """model_id -> worker_id -> its copy's step_ms, over the connected workers that take new jobs."""
+    copies: dict[str, dict[str, float | None]] = {}
+    for worker in worker_rows.connected_workers(seconds=4 * settings.WORKER_HEARTBEAT_SECONDS, now=now):
+        if worker.draining:
+            continue
+        for entry in worker.models:
+            copies.setdefault(entry.model_id, {})[worker.worker_id] = entry.step_ms
+    return copies
+
+
+COPIES_FRESH = timedelta(seconds=1)  # another process's worker joining or leaving counts within this
+OVERHEAD_FRESH = timedelta(seconds=10)  # a median over 20 runs: it moves slowly
+
+
+class EtaReads:
+    """What every estimate reads of the fleet, kept briefly instead of read per submission: the
+    connected copies and their step times (again after COPIES_FRESH, or at once when a worker of
+    this process connected, left, drained or changed models: `version`), and each model's time per
+    job beyond its steps (again after OVERHEAD_FRESH). The held jobs' steps left are read each time:
+    they move with every dispatch and step."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._copies: tuple[datetime, int, dict[str, dict[str, float | None]]] | None = None
+        self._overheads: dict[str, tuple[datetime, float | None, float]] = {}
+
+    def copies(self, *, now: datetime, version: int,
+               read: Callable[[], dict[str, dict[str, float | None]]]) -> dict[str, dict[str, float | None]]:
+        with self._lock:
+            kept = self._copies
+        if kept is not None and kept[1] == version and timedelta(0) <= now - kept[0] < COPIES_FRESH:
+            return kept[2]
+        value = read()
+        with self._lock:
+            self._copies = (now, version, value)
+        return value
+
+    def overhead(self, model_id: str, *, step_ms: float | None, now: datetime,
+                 read: Callable[[], list[tuple[float, int]]]) -> float:
+        with self._lock:
+            kept = self._overheads.get(model_id)
+        if kept is not None and kept[1] == step_ms and timedelta(0) <= now - kept[0] < OVERHEAD_FRESH:
+            return kept[2]
+        value = job_overhead_seconds(read(), step_ms=step_ms)
+        with self._lock:
+            if len(self._overheads) >= 10_000:  # bounded: models come and go
+                self._overheads.clear()
+            self._overheads[model_id] = (now, step_ms, value)
+        return value
+
+
+ETA_READS = Slot("scheduling.selectors.eta_reads", make=EtaReads)
 
 
 def _recent_runs(model_id: str) -> list[tuple[float, int]]:

@@ -184,6 +184,11 @@ def has_local_members(group: str) -> bool:
     return bool(_relay().members.get(group))
 
 
+def has_local_members_in(prefix: str) -> bool:
+    """Whether a consumer of this process is in any group whose name starts with `prefix`."""
+    return any(members for group, members in list(_relay().members.items()) if group.startswith(prefix))
+
+
 def is_local(channel_name: str) -> bool:
     return channel_name in _relay().inboxes
 

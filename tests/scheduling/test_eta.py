@@ -190,3 +190,45 @@ async def test_a_queued_job_shows_its_estimated_wait_and_its_error_is_measured_w
 
     await eventually(running)
     assert eta_errors_measured() == measured + 1
+
+
+# --- what the estimates keep of the fleet -------------------------------------------------------
+
+
+def test_the_fleet_is_read_again_after_a_second_or_at_once_when_a_worker_here_changed():
+    from datetime import UTC, datetime, timedelta
+
+    from scheduling.selectors import EtaReads
+
+    reads = []
+
+    def read():
+        reads.append(1)
+        return {"tiny-a": {"host-a:0": 100.0 + len(reads)}}
+
+    kept, at = EtaReads(), datetime(2026, 1, 1, tzinfo=UTC)
+    assert kept.copies(now=at, version=0, read=read) == {"tiny-a": {"host-a:0": 101.0}}
+    assert kept.copies(now=at + timedelta(milliseconds=900), version=0, read=read)["tiny-a"]["host-a:0"] == 101.0
+    assert kept.copies(now=at + timedelta(milliseconds=950), version=1, read=read)["tiny-a"]["host-a:0"] == 102.0
+    assert kept.copies(now=at + timedelta(seconds=2), version=1, read=read)["tiny-a"]["host-a:0"] == 103.0
+    assert kept.copies(now=at, version=1, read=read)["tiny-a"]["host-a:0"] == 104.0  # a clock that went back
+    assert len(reads) == 4
+
+
+def test_a_models_time_beyond_its_steps_is_kept_ten_seconds_per_step_time():
+    from datetime import UTC, datetime, timedelta
+
+    from scheduling.selectors import EtaReads
+
+    runs = [[(1.5, 10)]]
+    kept, at = EtaReads(), datetime(2026, 1, 1, tzinfo=UTC)
+
+    def overhead(after: timedelta, step_ms: float = 100.0) -> float:
+        return kept.overhead("tiny-a", step_ms=step_ms, now=at + after, read=lambda: runs[0])
+
+    assert overhead(timedelta(0)) == pytest.approx(0.5)
+    runs[0] = [(3.0, 10)]
+    assert overhead(timedelta(seconds=9)) == pytest.approx(0.5)
+    assert overhead(timedelta(seconds=9), step_ms=50.0) == pytest.approx(2.5)  # another step time: read again
+    assert overhead(timedelta(seconds=20), step_ms=50.0) == pytest.approx(2.5)
+    assert overhead(timedelta(seconds=20)) == pytest.approx(2.0)
