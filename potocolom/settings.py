@@ -175,6 +175,9 @@ MAX_REQUEST_BYTES = envint("MAX_REQUEST_BYTES", 10 * 1024 * 1024, minimum=1024)
 DATA_UPLOAD_MAX_MEMORY_SIZE = MAX_REQUEST_BYTES
 # Threads serving HTTP requests in one API process (each holds one database connection).
 HTTP_THREADS = envint("HTTP_THREADS", 8, minimum=1)
+# How long a process keeps a REST token's account (0: read it on every request). A token revoked
+# or a user deactivated through another process stops working within this.
+TOKEN_FRESH_SECONDS = envfloat("TOKEN_FRESH_SECONDS", 1.0, minimum=-0.001, maximum=60.0)  # 0 allowed
 MAX_IMAGE_PIXELS = envint("MAX_IMAGE_PIXELS", 4194304, minimum=1)
 # Caps for a model whose params_schema sets no maximum of its own.
 MAX_IMAGE_SIDE = envint("MAX_IMAGE_SIDE", 2048, minimum=8)
@@ -304,7 +307,7 @@ else:
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
-        "rest_framework.authentication.TokenAuthentication",
+        "potocolom.web.tokens.KeptTokenAuthentication",  # DRF's, each token's account kept a second
         "rest_framework.authentication.SessionAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
