@@ -8,6 +8,7 @@ placement (positions and estimates) for all of them, in the order their changes 
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import logging
 import threading
@@ -114,7 +115,8 @@ def jobs_changed(job_ids: Iterable[str], *, now: datetime | None = None) -> None
 def job_changed_as(job: Job, *, now: datetime | None = None) -> None:
     """`job` changed state and the instance says how (a submission): sent as it is after the commit,
     without reading it again, with its position as of the commit."""
-    transaction.on_commit(lambda: _committed([], [(job, selectors.position_of(job))], now=now))
+    # a copy as it is at the commit: the caller may change the instance before the events go
+    transaction.on_commit(lambda: _committed([], [(copy.copy(job), selectors.position_of(job))], now=now))
 
 
 def _committed(ids: list[str], jobs: list[tuple[Job, int | None]], *, now: datetime | None) -> None:
