@@ -175,6 +175,10 @@ MAX_REQUEST_BYTES = envint("MAX_REQUEST_BYTES", 10 * 1024 * 1024, minimum=1024)
 DATA_UPLOAD_MAX_MEMORY_SIZE = MAX_REQUEST_BYTES
 # Threads serving HTTP requests in one API process (each holds one database connection).
 HTTP_THREADS = envint("HTTP_THREADS", 8, minimum=1)
+# Of them, how many one caller (a token, a session, an address) may hold at once, and how many more of
+# its requests may wait for those without a thread; one more answers 429 `throttled`.
+HTTP_THREADS_PER_CALLER = envint("HTTP_THREADS_PER_CALLER", max(1, HTTP_THREADS // 2), minimum=1)
+HTTP_WAITING_PER_CALLER = envint("HTTP_WAITING_PER_CALLER", 64, minimum=0)
 # How long a process keeps a REST token's account (0: read it on every request). A token revoked
 # or a user deactivated through another process stops working within this.
 TOKEN_FRESH_SECONDS = envfloat("TOKEN_FRESH_SECONDS", 1.0, minimum=-0.001, maximum=60.0)  # 0 allowed

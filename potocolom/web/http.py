@@ -1,8 +1,12 @@
 """Django's HTTP side under Daphne: each request in one hop to a thread of a bounded pool of its
-own, and the 413 for a body over MAX_REQUEST_BYTES before it is read. docs/design/http.md."""
+own, each caller's requests in a lane of their own (at most HTTP_THREADS_PER_CALLER of its threads,
+the rest waiting without one), and the 413 for a body over MAX_REQUEST_BYTES before it is read.
+docs/design/http.md."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import hashlib
 import io
 import json
 import threading
@@ -43,6 +47,56 @@ HTTP_THREADS = Slot("potocolom.web.http_threads", make=lambda: HttpThreads(setti
                     stop=HttpThreads.stop)
 
 
+class CallerLanes:
+    """The requests in flight of each caller of this process: at most `per_caller` on the HTTP
+    threads at once, the next ones waiting their turn on the event loop (no thread held, first
+    come first served), at most `waiting` of them; one more is refused. So one caller whose requests
+    wait (a locked row, a slow upload) holds at most `per_caller` threads, and the others keep the
+    rest. A caller is its token, else its session, else its address (a guess at the account that
+    costs nothing: the account itself is known only once Django has authenticated the request)."""
+
+    def __init__(self, *, per_caller: int, waiting: int) -> None:
+        self.per_caller, self.waiting = per_caller, waiting
+        self._lanes: dict[str, tuple[asyncio.Semaphore, list[int]]] = {}  # caller -> slots, [requests]
+
+    @contextlib.asynccontextmanager
+    async def lane(self, caller: str) -> Any:
+        """Hold one of the caller's places while the block runs; LaneFull when too many wait."""
+        slots, users = self._lanes.setdefault(caller, (asyncio.Semaphore(self.per_caller), [0]))
+        if users[0] >= self.per_caller + self.waiting:
+            raise LaneFull()
+        users[0] += 1
+        try:
+            async with slots:
+                yield
+        finally:
+            users[0] -= 1
+            if not users[0]:
+                del self._lanes[caller]
+
+
+class LaneFull(Exception):
+    """A caller already has HTTP_THREADS_PER_CALLER requests running and HTTP_WAITING_PER_CALLER waiting."""
+
+
+CALLER_LANES = Slot("potocolom.web.caller_lanes", make=lambda: CallerLanes(
+    per_caller=settings.HTTP_THREADS_PER_CALLER, waiting=settings.HTTP_WAITING_PER_CALLER))
+
+
+def caller_of(scope: dict[str, Any]) -> str:
+    """Who asks, from the request's headers alone: its token, its session cookie, or its address
+    (hashed: nothing secret stays in memory as such)."""
+    for name, value in scope.get("headers", []):
+        if name.lower() == b"authorization" and value[:6].lower() == b"token ":
+            return "token:" + hashlib.sha256(value[6:].strip()).hexdigest()[:32]
+    for name, value in scope.get("headers", []):
+        if name.lower() == b"cookie" and b"sessionid=" in value:
+            session = value.split(b"sessionid=", 1)[1].split(b";", 1)[0].strip()
+            return "session:" + hashlib.sha256(session).hexdigest()[:32]
+    client = scope.get("client") or ("", 0)
+    return f"address:{client[0]}"
+
+
 class OneHopWsgi:
     """An ASGI HTTP application around a WSGI application."""
 
@@ -68,7 +122,12 @@ class OneHopWsgi:
                 break
         body.seek(0)
         run = sync_to_async(self._run, thread_sensitive=False, executor=runtime.get(HTTP_THREADS).pool)
-        status, headers, content = await run(wsgi_environ(scope, body))
+        try:
+            async with runtime.get(CALLER_LANES).lane(caller_of(scope)):
+                status, headers, content = await run(wsgi_environ(scope, body))
+        except LaneFull:
+            await send_busy(send)
+            return
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": content})
 
@@ -145,4 +204,16 @@ async def send_too_large(send: Callable[..., Any], limit: int) -> None:
     await send({"type": "http.response.start", "status": 413,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def send_busy(send: Callable[..., Any]) -> None:
+    """429 `throttled` in the contract's error body, for a caller with too many requests in flight."""
+    body = json.dumps({"error": "throttled",
+                       "detail": f"too many requests of yours are in flight on this process (at most "
+                                 f"{settings.HTTP_THREADS_PER_CALLER} at once and "
+                                 f"{settings.HTTP_WAITING_PER_CALLER} waiting); retry shortly"}).encode()
+    await send({"type": "http.response.start", "status": 429,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"retry-after", b"1")]})
     await send({"type": "http.response.body", "body": body})

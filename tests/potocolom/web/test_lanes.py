@@ -121,3 +121,40 @@ async def test_a_request_behind_a_row_lock_holds_up_only_itself(model, alice, bo
         assert await cancel.receive_nothing(0), "alice's cancel had ended: the lock was not held"
     status, job = await answer(cancel)
     assert status == 200 and job["state"] == "cancelled"
+
+
+async def test_many_waiting_requests_of_one_caller_hold_only_its_lane(model, alice, bob, settings):
+    """Alice's lookups that wait fill her lane (HTTP_THREADS_PER_CALLER of the HTTP_THREADS), the
+    rest of hers wait without a thread, one more is refused; bob's request takes a thread left free."""
+    from potocolom.runtime import runtime
+    from potocolom.web.http import CALLER_LANES, CallerLanes
+
+    runtime.reset()  # made again with these settings: 2 threads, 1 a caller, 2 waiting
+    settings.HTTP_THREADS, settings.HTTP_THREADS_PER_CALLER, settings.HTTP_WAITING_PER_CALLER = 2, 1, 2
+    assert runtime.get(CALLER_LANES).per_caller == 1 and isinstance(runtime.get(CALLER_LANES), CallerLanes)
+    looking, released = threading.Event(), threading.Event()
+    lookups: list[str] = []
+
+    def slow_resolver(host: str, port: int) -> list[str]:
+        lookups.append(host)
+        looking.set()
+        released.wait(10)
+        return ["127.0.0.1"]
+
+    settings.WEBHOOK_RESOLVER = slow_resolver
+    settings.WEBHOOK_ALLOW_PRIVATE = True
+    submit = {"params": {"prompt": "x"}, "webhook_url": "http://hooks.example/"}
+    alices = [await request(alice, "POST", "/api/v1/jobs/", submit)]
+    await wait_for(looking)
+    alices += [await request(alice, "POST", "/api/v1/jobs/", submit) for _ in range(2)]  # wait, no thread
+    try:
+        status, refused = await answer(await request(alice, "GET", "/api/v1/models/"))
+        assert status == 429 and refused["error"] == "throttled"
+        status, _ = await answer(await request(bob, "GET", "/api/v1/models/"))
+        assert status == 200  # the second thread was free for him
+        assert lookups == ["hooks.example"]  # alice's others never reached a thread
+    finally:
+        released.set()
+    for communicator in alices:
+        status, _ = await answer(communicator)
+        assert status == 201
