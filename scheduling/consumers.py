@@ -24,6 +24,7 @@ from scheduling.events import account_group, job_of_snapshot
 from scheduling.serializers import job_payload
 
 MAX_JOB_FILTERS = 200  # `?job_id=` values one socket may name
+RENDERED = "rendered"  # an event's field (in this process only) holding its text per host, once rendered
 
 JPEG_DATA_URL = "data:image/jpeg;base64,"  # a worker's preview is bare base64 JPEG; browsers get a data URL
 
@@ -91,10 +92,16 @@ class JobEventsConsumer(RelayConsumer):
         job, position, eta = job_of_snapshot(changed.job)
         if not self._wants(changed.account, str(job.id)):
             return
-        render = partial(job_payload, job, position=position, eta_seconds=eta, image_url=self._absolute)
-        # a job with a webhook shows its delivery, read from the database
-        payload = await database_sync_to_async(render)() if job.webhook_url else render()
-        await self.send(text_data=json.dumps({"type": "job", "job": payload}))
+        # One event reaches every socket of the account in this process as one message: rendered
+        # once per host the sockets came to, not once per socket (300 sockets, one render).
+        rendered: dict[str, str] = event.setdefault(RENDERED, {})
+        text = rendered.get(self.origin)
+        if text is None:
+            render = partial(job_payload, job, position=position, eta_seconds=eta, image_url=self._absolute)
+            # a job with a webhook shows its delivery, read from the database
+            payload = await database_sync_to_async(render)() if job.webhook_url else render()
+            text = rendered[self.origin] = json.dumps({"type": "job", "job": payload})
+        await self.send(text_data=text)
 
     async def jobs_progress(self, event: dict[str, Any]) -> None:
         """A worker's job_progress for a job of the account, its preview as sent (the worker's base64
