@@ -77,7 +77,7 @@ os.environ.setdefault("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/postgr
 os.environ.setdefault("REDIS_URL", "redis://127.0.0.1:6379/11")
 
 from bench.dispatch import KeepAliveClient, percentile  # noqa: E402
-from tests.support.stack import BenchWorker, Process, Stack, fake_manifest  # noqa: E402
+from tests.support.stack import BenchWorker, Process, Stack, fake_manifest, serve_http  # noqa: E402
 
 ALICE_MODEL = "iso-alice"  # alice's floods; served by a fake worker only in the slow-receivers flood
 BOB_MODEL = "iso-bob"  # bob's submissions (and the curve's queued jobs): no worker, they stay queued
@@ -403,11 +403,8 @@ class SlowReceiver:
             def log_message(self, *args: object) -> None:
                 pass
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
+        self.server = serve_http(Handler)
         self.port = self.server.server_address[1]
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
 
     def close(self) -> None:
         self.release.set()

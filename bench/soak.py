@@ -80,7 +80,7 @@ import psycopg  # noqa: E402
 import websockets  # noqa: E402
 from standardwebhooks.webhooks import Webhook  # noqa: E402
 
-from tests.support.stack import Process, Stack, free_port  # noqa: E402
+from tests.support.stack import Process, Stack, free_port, serve_http  # noqa: E402
 
 MODEL = "tiny-sd"
 TERMINAL = ("succeeded", "failed", "cancelled")
@@ -250,11 +250,8 @@ class Receiver:
             def log_message(self, *args: object) -> None:
                 pass
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
+        self.server = serve_http(Handler)
         self.port = self.server.server_address[1]
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
 
     def got(self, account: str, headers: dict[str, str], body: bytes, handler: Any) -> None:
         lowered = {k.lower(): v for k, v in headers.items()}

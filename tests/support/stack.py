@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import http.client
+import http.server
 import json
 import os
 import signal
@@ -29,6 +30,17 @@ CONTRACT_SETTINGS = ("DATABASE_URL", "REDIS_URL", "JOB_DISPATCH_DEPTH", "ACCOUNT
                      "WORKER_HEARTBEAT_SECONDS", "MEMORY_MODE", "DJANGO_SETTINGS_MODULE")
 # What the test process sets for itself (tests/environment.py) and a served process must not inherit.
 TEST_PROCESS_SETTINGS = ("QUEUE_REBUILD_AT_START", "DEAD_WORKER_SWEEP")
+
+
+def serve_http(handler: type) -> http.server.ThreadingHTTPServer:
+    """A threaded HTTP server on a free loopback port, serving `handler` from a daemon thread
+    (benches' webhook receivers); `server.server_address[1]` is its port, `shutdown()` stops it."""
+    import threading
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
 
 
 def free_port() -> int:
