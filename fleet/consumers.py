@@ -89,8 +89,10 @@ def shared_queue() -> bool:
 
 
 class WorkerConsumer(RelayConsumer):
-    """One GPU worker's connection."""
+    """One GPU worker's connection. A Redis outage leaves it open (the workers group is joined again
+    every period); should it fail all the same, it is lost as on a close, and its watch stops."""
 
+    layer_outage_waits = True
     worker_id: str | None = None
     credential: Any = None
     watchdog: asyncio.Task | None = None
@@ -263,7 +265,8 @@ class WorkerConsumer(RelayConsumer):
         period = settings.WORKER_HEARTBEAT_SECONDS
         while not self.lost:
             await asyncio.sleep(period)
-            if self.credential is None:
+            if self.credential is None or self.ended:
+                await self.after_end()
                 return
             alive = not worker_is_dead(last_seen=self.last_seen, now=time.monotonic(), heartbeat_seconds=period)
             try:
@@ -280,11 +283,21 @@ class WorkerConsumer(RelayConsumer):
                     await lifecycle.dispatch_soon()
             except Exception:  # the database or Redis is away this period: the watch goes on
                 log.exception("worker %s: the periodic check failed", self.worker_id or "(no hello)")
+            if self.ended:
+                await self.after_end()
+                return
             if worker_is_dead(last_seen=self.last_seen, now=time.monotonic(), heartbeat_seconds=period):
                 log.warning("worker %s sent nothing for 3 heartbeat periods: dead", self.worker_id or "(no hello)")
                 await self.lose()
                 await self.close(code=close_codes.SILENT)
                 return
+
+    async def after_end(self) -> None:
+        """The watch outlived its consumer (one that ended without its disconnect, e.g. cancelled):
+        the connection is lost, quietly; its worker's silence on this socket says nothing of the
+        worker, which may well be heard on a newer connection."""
+        if self.ended and not self.lost:
+            await self.lose()
 
     async def lose(self) -> None:
         """This connection is over: its jobs follow the retry rule (once)."""

@@ -41,8 +41,10 @@ def query_of(scope: dict[str, Any]) -> dict[str, str]:
 
 
 class SessionConsumer(RelayConsumer):
-    """One drawing page's session."""
+    """One drawing page's session. A Redis outage leaves it open (its frames and news come locally or
+    over the bus, which reconnects); should it fail all the same, its session is closed as on a close."""
 
+    layer_outage_waits = True
     session_id: str | None = None
     idle_watch: asyncio.Task | None = None
     due_timer: asyncio.TimerHandle | None = None

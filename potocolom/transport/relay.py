@@ -8,6 +8,7 @@ import collections
 import contextlib
 import json
 import logging
+import time
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
@@ -25,6 +26,14 @@ from potocolom.transport.bus import Bus, frame_key, frame_seq, process_of
 log = logging.getLogger(__name__)
 CONTROL_MAX = 10_000  # control messages waiting in one inbox; more: the consumer is stuck and fails
 CLIENT_MAX = 64  # the client socket's messages waiting in one inbox; more: its feed waits (TCP pushes back)
+SERVER_ERROR = 1011  # the close code of a consumer that failed (as Daphne closes it)
+OUTAGE_RETRY_FIRST = 0.5  # a channel-layer receive that Redis failed is tried again after this, doubling ...
+OUTAGE_RETRY_MAX = 5.0  # ... up to this
+OUTAGE_LOG_SECONDS = 10.0  # a process logs a Redis outage of the layer's receives at most this often
+# Group messages are notices (wake up, cancel this): the work they announce is in the database
+# already, so a Redis that is restarting must not fail the request or the consumer that sends them.
+# A connection a restart broke fails once, then the pool opens a new one: so one retry.
+_REDIS_ERRORS = (redis.RedisError, OSError, TimeoutError)
 
 
 class InboxOverflow(RuntimeError):
@@ -153,6 +162,7 @@ class Relay:
         self.members: dict[str, set[str]] = {}  # group -> this process's channels in it (group_membership)
         self.listeners: dict[str, Callable[[dict[str, Any]], None]] = {}  # process-level notice targets
         self.bus: Bus | None = None
+        self.outage_logged = -OUTAGE_LOG_SECONDS  # time.monotonic() of the last "cannot be read" warning
 
 
 RELAY = Slot("potocolom.relay", make=Relay)
@@ -328,8 +338,36 @@ class RelayConsumer(AsyncWebsocketConsumer):
     """A websocket consumer that also takes messages from this process's senders in memory.
 
     The same as channels' AsyncConsumer.__call__, with the local inbox as a third source beside the
-    client socket and the channel layer.
+    client socket and the channel layer. Unlike channels, a consumer that fails (a source or a
+    handler raised) still runs its `disconnect` before the error goes on to the server (which
+    closes the socket with 1011): its session, worker or seat is let go as on a close.
     """
+
+    # Whether the channel-layer feed waits out a Redis outage (tried again, the socket stays open;
+    # what the layer carried meanwhile is lost, at most once) instead of failing the consumer.
+    layer_outage_waits = False
+    disconnected = False  # its disconnect() has run (or runs now): once only
+    ended = False  # its loop is over: a task it started must not act for it any more
+
+    async def websocket_disconnect(self, message: dict[str, Any]) -> None:
+        self.disconnected = True
+        await super().websocket_disconnect(message)
+
+    async def failed(self, error: BaseException) -> None:
+        """The consumer failed: its disconnect cleanup runs all the same (once), as on a close with
+        1011; a failure of the cleanup itself is logged."""
+        if self.disconnected:
+            return
+        self.disconnected = True
+        log.warning("%s %s failed (%s: %s): cleaning up as on a close", type(self).__name__,
+                    getattr(self, "channel_name", "?"), type(error).__name__, error)
+        try:
+            await self.disconnect(SERVER_ERROR)
+        except StopConsumer:
+            pass
+        except Exception:
+            log.exception("%s %s: the cleanup after its failure failed", type(self).__name__,
+                          getattr(self, "channel_name", "?"))
 
     async def socket_send(self, event: dict[str, Any]) -> None:
         """A wire message from a service for this socket's client (potocolom.transport.notify)."""
@@ -366,7 +404,10 @@ class RelayConsumer(AsyncWebsocketConsumer):
         await _ensure_bus(self.channel_layer)
         relay = _relay()
         relay.inboxes[self.channel_name] = (asyncio.get_running_loop(), inbox)
-        feeds = [asyncio.create_task(_feed(source, inbox, client=source is receive)) for source in sources]
+        waits_out = _REDIS_ERRORS if self.layer_outage_waits else ()
+        feeds = [asyncio.create_task(_feed(source, inbox, client=source is receive,
+                                           waits_out=() if source is receive else waits_out))
+                 for source in sources]
         self.base_send = send
         try:
             while True:
@@ -376,7 +417,11 @@ class RelayConsumer(AsyncWebsocketConsumer):
                 await self.dispatch(message)
         except StopConsumer:
             pass
+        except Exception as exc:
+            await self.failed(exc)
+            raise
         finally:
+            self.ended = True
             with contextlib.suppress(KeyError):
                 del relay.inboxes[self.channel_name]
             for members in relay.members.values():
@@ -393,12 +438,26 @@ class SourceFailed:
         self.error = error
 
 
-async def _feed(source: Any, inbox: Inbox, *, client: bool = False) -> None:
+async def _feed(source: Any, inbox: Inbox, *, client: bool = False,
+                waits_out: tuple[type[BaseException], ...] = ()) -> None:
     """Move what a source yields into the consumer's inbox, in order, until it fails or is cancelled
-    (the client socket's feed waits while its inbox is full)."""
+    (the client socket's feed waits while its inbox is full). An error of `waits_out` (Redis away)
+    does not fail it: the source is tried again, after 0.5 s, then twice as long each time up to 5 s."""
+    failures = 0
     try:
         while True:
-            message = await source()
+            try:
+                message = await source()
+            except waits_out as exc:
+                failures += 1
+                relay = _relay()
+                if time.monotonic() - relay.outage_logged >= OUTAGE_LOG_SECONDS:
+                    relay.outage_logged = time.monotonic()
+                    log.warning("the channel layer cannot be read (%s: %s); the sockets wait for Redis",
+                                type(exc).__name__, exc)
+                await asyncio.sleep(min(OUTAGE_RETRY_FIRST * 2 ** (failures - 1), OUTAGE_RETRY_MAX))
+                continue
+            failures = 0
             if client:
                 await inbox.put_from_client(message)
             else:
@@ -407,12 +466,6 @@ async def _feed(source: Any, inbox: Inbox, *, client: bool = False) -> None:
         raise
     except Exception as exc:
         inbox.put_nowait(SourceFailed(exc))
-
-
-# Group messages are notices (wake up, cancel this): the work they announce is in the database
-# already, so a Redis that is restarting must not fail the request or the consumer that sends them.
-# A connection a restart broke fails once, then the pool opens a new one: so one retry.
-_REDIS_ERRORS = (redis.RedisError, OSError, TimeoutError)
 
 
 def group_send_sync(group: str, message: dict[str, Any]) -> None:

@@ -127,6 +127,9 @@ class LocalAdmission:
                 usage_open(account_id=entry.account_id, model_id=entry.model_id, session_id=session_id,
                            worker_id=worker_id, now=now)
         if entry is None:
+            if not accepted and self.board.worker_of(session_id) == worker_id and RealtimeSession.objects.filter(
+                    id=session_id, worker_id=worker_id, state=SessionState.LIVE).exists():
+                return True  # a repeated accept (of a session_start sent again): the worker holds it
             self.end_on_worker(worker_id, session_id, channel_name)
             return False
         route = self.board.route(session_id)

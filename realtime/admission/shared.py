@@ -313,17 +313,24 @@ class SharedAdmission:
     def accept(self, *, worker_id: str, session_id: str, channel_name: str, now: datetime) -> bool:
         """The worker took the session: live, metering starts, and the browser's process is told
         (`session.live`, with this worker's channel and the placement's number). A stale accept gets
-        session_end."""
+        session_end. An accept of a session already live on this worker changes nothing: the worker
+        answered a session_start sent again (placed, sent back by a newer connection's hello and placed
+        there again), and it holds the session; a session_end would leave its browser told `live`
+        and never answered."""
         with transaction.atomic():
             row = RealtimeSession.objects.select_for_update().filter(
-                id=session_id, worker_id=worker_id, state=SessionState.PLACING).values_list(
-                "account_id", "model_id", "channel_name", "placements").first()
-            if row is not None:
+                id=session_id, worker_id=worker_id, state__in=(SessionState.PLACING, SessionState.LIVE)).values_list(
+                "account_id", "model_id", "channel_name", "placements", "state").first()
+            if row is not None and row[4] == SessionState.PLACING:
                 RealtimeSession.objects.filter(id=session_id).update(state=SessionState.LIVE, live_since=now)
                 usage_open(account_id=row[0], model_id=row[1], session_id=session_id, worker_id=worker_id, now=now)
         if row is None:
             self.end_on_worker(worker_id, session_id, channel_name)
             return False
+        if row[4] == SessionState.LIVE:
+            log.info("session %s: a repeated session_accepted from worker %s (already live there)", session_id,
+                     worker_id)
+            return True
         notify_after_commit(row[2], SessionLive(channel_name, Live(row[1], worker_id).to_wire(), worker_id, row[3])
                             .to_event())
         return True
