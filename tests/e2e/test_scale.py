@@ -314,7 +314,7 @@ def test_a_redis_that_lost_the_queue_loses_no_job(scaled) -> None:
     client = api(stack, stack.scale_port, account)
     ids = [submit(client, priority=p) for p in (0, 1, 0)]
     store = redis.Redis.from_url(os.environ["REDIS_URL"])
-    lost = [key for key in store.scan_iter(match="potocolom:*:jobs:*")]
+    lost = [key for key in store.scan_iter(match="potocolom:*:jobs2:*")]
     assert lost, "the queue lives in Redis"
     store.delete(*lost)  # what a restart of Redis does to it
     store.script_flush()
