@@ -9,10 +9,8 @@ import asyncio
 import pytest
 import redis
 from channels.db import database_sync_to_async
-from django.utils import timezone
 
-from scheduling.services import JobRequest, job_submit
-from tests.helpers import eventually, job_row, job_states
+from tests.helpers import eventually, job_row, job_states, submit_jobs
 from tests.support.layer_faults import install_layer_fault
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -21,12 +19,6 @@ pytestmark = pytest.mark.django_db(transaction=True)
 @pytest.fixture
 def layer_fault(monkeypatch):
     return install_layer_fault(monkeypatch)
-
-
-@database_sync_to_async
-def submit(account) -> str:
-    return str(job_submit(account=account, now=timezone.now(),
-                          request=JobRequest(params={"prompt": "a red circle"}, model_id="tiny-a")).id)
 
 
 @database_sync_to_async
@@ -62,7 +54,7 @@ async def heartbeat(worker, seconds: float, period: float) -> None:
 async def test_a_worker_socket_whose_feed_fails_is_lost_at_once_and_its_check_stops(
         token, alice, workers, settings, layer_fault, declared_dead):
     settings.WORKER_HEARTBEAT_SECONDS = 0.2
-    job_id = await submit(alice)
+    [job_id] = await submit_jobs(alice, 1)
     crashed = workers("host-a:0")
     await crashed.join(["tiny-a"])
     await crashed.jobs(1)
@@ -90,7 +82,7 @@ async def test_a_worker_socket_whose_feed_fails_is_lost_at_once_and_its_check_st
 async def test_a_redis_outage_leaves_a_worker_socket_open_with_its_jobs(token, alice, workers, settings,
                                                                         layer_fault, declared_dead):
     settings.WORKER_HEARTBEAT_SECONDS = 0.2
-    job_id = await submit(alice)
+    [job_id] = await submit_jobs(alice, 1)
     worker = workers("host-a:0")
     await worker.join(["tiny-a"])
     await worker.jobs(1)
