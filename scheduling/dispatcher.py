@@ -3,6 +3,7 @@ plain data behind one lock, told by the services after their writes commit, appl
 policy (plan_dispatch, plan_moves, plan_preemptions). The story: docs/protocol.md, "The job"."""
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
@@ -10,6 +11,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime, timedelta
+from typing import Any
 
 from django.conf import settings
 from django.db import connection
@@ -217,12 +219,18 @@ class Dispatcher:
 
     # jobs
 
+    def _queue_lock(self) -> Any:
+        """The lock around a single queue operation: this process's, for its own in-memory queue;
+        none for a shared one, whose every operation is atomic in Redis (other processes change it
+        meanwhile anyway), so that a position or a push does not wait on a dispatch's claims."""
+        return contextlib.nullcontext() if self.queues.shared else self.lock
+
     def push(self, job: QueuedJob) -> None:
-        with self.lock:
+        with self._queue_lock():
             self.queues.push(job)
 
     def remove(self, job_id: str) -> bool:
-        with self.lock:
+        with self._queue_lock():
             return self.queues.remove(job_id) is not None
 
     def release(self, job_id: str, *, worker_id: str | None = None, until_let_go: bool = False) -> str | None:
@@ -344,7 +352,7 @@ class Dispatcher:
                     worker.holds[job_id].preempting = True
 
     def position(self, job_id: str) -> int | None:
-        with self.lock:
+        with self._queue_lock():
             return self.queues.position(job_id)
 
     def positions(self, job_ids: Iterable[str]) -> dict[str, int]:
@@ -352,12 +360,12 @@ class Dispatcher:
         ids = list(job_ids)
         if not ids:
             return {}
-        with self.lock:
+        with self._queue_lock():
             return self.queues.positions(ids)
 
     def demand(self) -> dict[str, tuple[int, int]]:
         """Queued jobs per model and their steps summed, as the queue counts them."""
-        with self.lock:
+        with self._queue_lock():
             return self.queues.demand()
 
 
