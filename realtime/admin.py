@@ -11,7 +11,7 @@ from django.utils import timezone
 
 from potocolom.web.read_only import ReadOnlyAdmin
 from realtime import selectors, services
-from realtime.models import RealtimeSession, SessionState, UsageRecord
+from realtime.models import RealtimeSession, SessionState, UsageRecord, UsageTally
 
 
 class SessionViewFilter(admin.SimpleListFilter):
@@ -70,3 +70,13 @@ class UsageRecordAdmin(ReadOnlyAdmin):
     list_filter = ["model_id", "account"]
     search_fields = ["account__username", "model_id"]
     readonly_fields = [f.name for f in UsageRecord._meta.fields]
+
+
+@admin.register(UsageTally)
+class UsageTallyAdmin(ReadOnlyAdmin):
+    """The seconds of the usage records retention deleted, per account and model."""
+
+    list_display = ["account", "model_id", "seconds"]
+    list_filter = ["model_id"]
+    search_fields = ["account__username", "model_id"]
+    readonly_fields = [f.name for f in UsageTally._meta.fields]

@@ -56,6 +56,8 @@ class RealtimeSession(models.Model):
             models.Index(fields=["state", "joined_at"], name="session_state_joined"),
             # the shared admission's first fit walks one model's queue in order
             models.Index(fields=["state", "model_id", "joined_at"], name="session_state_model_joined"),
+            # retention deletes the sessions closed longest ago first
+            models.Index(fields=["state", "closed_at"], name="session_state_closed"),
         ]
 
     def __str__(self) -> str:
@@ -79,3 +81,18 @@ class UsageRecord(models.Model):
 
     def __str__(self) -> str:
         return f"{self.account_id} {self.model_id} {self.seconds:.1f}s"
+
+
+class UsageTally(models.Model):
+    """An account's metered seconds per model of the usage records retention deleted (with the
+    closed sessions they belonged to): `GET /api/v1/usage/` adds them, so its totals never shrink."""
+
+    account = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="usage_tallies")
+    model_id = models.CharField(max_length=200)
+    seconds = models.FloatField(default=0.0)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["account", "model_id"], name="usage_tally_account_model")]
+
+    def __str__(self) -> str:
+        return f"{self.account_id} {self.model_id} {self.seconds:.1f}s (purged records)"

@@ -1,16 +1,18 @@
 """The session rows' writes both admissions share: closing a session (a socket's own close, or the
-sweep's of a row whose socket is gone), vouching for open sockets, and metering (one UsageRecord per
-slot held, its seconds counted when it ends)."""
+sweep's of a row whose socket is gone), vouching for open sockets, metering (one UsageRecord per
+slot held, its seconds counted when it ends), and retention (closed sessions deleted, their usage
+kept as a tally)."""
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Collection
 from datetime import UTC, datetime, timedelta
 from typing import NamedTuple
 
 from django.db import transaction
-from django.db.models import QuerySet
+from django.db.models import F, QuerySet
 
-from realtime.models import OPEN_STATES, RealtimeSession, SessionState, UsageRecord
+from realtime.models import OPEN_STATES, RealtimeSession, SessionState, UsageRecord, UsageTally
 
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
@@ -79,3 +81,36 @@ def sessions_unseen_close(sessions: QuerySet[RealtimeSession], *, seen_before: d
             usage_close(session_id=str(session_id), now=seen_at or now)  # (the filter left no null)
         closed.append(Unseen(str(session_id), state, worker_id, joined_at))
     return closed
+
+
+SESSIONS_PURGE_BATCH = 500  # sessions per transaction
+
+
+def sessions_purge(*, cutoff: datetime | None, batch: int = SESSIONS_PURGE_BATCH) -> int:
+    """Delete the sessions closed before `cutoff` (None: none), oldest first, a batch per
+    transaction, with their usage records; each record's seconds go into its account's tally for its
+    model first (UsageTally), so the account's usage totals stay what they were. Rows another purge
+    holds are skipped (it deletes them). How many sessions went."""
+    total = 0
+    while cutoff is not None:
+        with transaction.atomic():
+            ids = list(RealtimeSession.objects.select_for_update(skip_locked=True)
+                       .filter(state=SessionState.CLOSED, closed_at__lt=cutoff).order_by("closed_at", "id")
+                       .values_list("id", flat=True)[:batch])
+            if not ids:
+                break
+            seconds: dict[tuple[int, str], float] = defaultdict(float)
+            records = UsageRecord.objects.filter(session_id__in=ids)
+            for account_id, model_id, ended_at, counted in records.values_list(
+                    "account_id", "model_id", "ended_at", "seconds"):
+                # a closed session's records have ended (its close ends them in the same transaction)
+                seconds[(account_id, model_id)] += counted if ended_at is not None else 0.0
+            for (account_id, model_id), value in sorted(seconds.items()):
+                tally, _ = UsageTally.objects.get_or_create(account_id=account_id, model_id=model_id)
+                UsageTally.objects.filter(pk=tally.pk).update(seconds=F("seconds") + value)
+            records.delete()
+            RealtimeSession.objects.filter(id__in=ids).delete()
+        total += len(ids)
+        if len(ids) < batch:
+            break
+    return total

@@ -9,13 +9,16 @@ from django.contrib.auth.models import User
 from django.db.models import Count, Max
 
 from realtime.admission import admission
-from realtime.models import HOLDING_STATES, RealtimeSession, SessionState, UsageRecord
+from realtime.models import HOLDING_STATES, RealtimeSession, SessionState, UsageRecord, UsageTally
 from realtime.policy import SlotKey
 
 
 def usage_of(*, account: User, now: datetime) -> dict[str, Any]:
-    """The account's metered seconds per model; a slot held now counts up to now."""
+    """The account's metered seconds per model; a slot held now counts up to now; the records
+    retention deleted count by their tally."""
     seconds: dict[str, float] = defaultdict(float)
+    for model_id, counted in UsageTally.objects.filter(account=account).values_list("model_id", "seconds"):
+        seconds[model_id] += counted
     for model_id, started_at, ended_at, counted in UsageRecord.objects.filter(account=account).values_list(
             "model_id", "started_at", "ended_at", "seconds"):
         seconds[model_id] += counted if ended_at is not None else max(0.0, (now - started_at).total_seconds())

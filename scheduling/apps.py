@@ -8,13 +8,12 @@ class SchedulingConfig(AppConfig):
     verbose_name = "Scheduling"
 
     def ready(self) -> None:
-        """Started with the process: the queue's rebuild, webhook delivery and retention."""
+        """Started with the process: the queue's rebuild and webhook delivery (retention: fleet)."""
         from potocolom.runtime import runtime
         from scheduling.dispatcher import DISPATCHER
-        from scheduling.retention_runner import RETENTION_RUNNER
         from scheduling.webhooks.runner import WEBHOOK_RUNNER
 
-        runtime.register(DISPATCHER, WEBHOOK_RUNNER, RETENTION_RUNNER)
+        runtime.register(DISPATCHER, WEBHOOK_RUNNER)
         _forget_tokens_on_change()
 
 

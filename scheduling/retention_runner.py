@@ -58,4 +58,7 @@ class RetentionRunner(ProcessThread):
             return None
 
 
-RETENTION_RUNNER = Slot("scheduling.retention", make=RetentionRunner, start=start_when_served, stop=stop_thread)
+def retention_runner(run: Callable[..., Purged]) -> Slot:
+    """The process's retention thread running `run` (fleet's: jobs, then closed sessions)."""
+    return Slot("scheduling.retention", make=lambda: RetentionRunner(run=run), start=start_when_served,
+                stop=stop_thread)

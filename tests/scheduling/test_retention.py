@@ -230,3 +230,27 @@ def test_the_cutoff_is_days_before_now_and_none_for_0():
 def test_a_rows_files_are_the_names_it_holds():
     files = job_files("j1", images=["jobs/j1/0.png", "", 3], checkpoint="", init_image="jobs/j1/init_image.txt")
     assert files.names == ("jobs/j1/0.png", "jobs/j1/init_image.txt") and files.folder == "jobs/j1"
+
+
+async def test_files_the_storage_failed_to_delete_are_deleted_by_the_next_run(alice, workers, settings, monkeypatch):
+    from django.core.files.storage import FileSystemStorage
+
+    ids = await ended_jobs(alice, workers, settings)
+    delete = FileSystemStorage.delete
+
+    def failing(storage, name):  # the storage is away for one job's files
+        if ids["old_init"] in name:
+            raise OSError("storage unavailable")
+        return delete(storage, name)
+
+    monkeypatch.setattr(FileSystemStorage, "delete", failing)
+    assert (await purge_jobs("--older-than", "30")).startswith("purged 3 jobs")
+    assert await rows_left([ids["old"], ids["old_init"], ids["cancelled"]]) == []
+    assert files_of(settings, ids["old_init"]) == ["0.png", "1.png", "checkpoint-3.bin", "init_image.txt"]
+    assert not (Path(settings.MEDIA_ROOT) / "jobs" / ids["old"]).exists()
+
+    monkeypatch.setattr(FileSystemStorage, "delete", delete)
+    assert (await purge_jobs("--older-than", "30")).startswith("purged 0 jobs")  # no row left to purge...
+
+    assert not (Path(settings.MEDIA_ROOT) / "jobs" / ids["old_init"]).exists()  # ...and the files went
+    assert list((Path(settings.MEDIA_ROOT) / "retention").iterdir()) == []  # the note with them
