@@ -4,15 +4,19 @@ worker. docs/protocol.md, "Worker socket"."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from urllib.parse import parse_qs
 
+from asgiref.sync import ThreadSensitiveContext
 from channels.db import database_sync_to_async
 from django.conf import settings
+from django.db import connection, connections
 from django.utils import timezone
 
 from fleet import lifecycle
@@ -84,6 +88,11 @@ def presented_token(scope: dict[str, Any]) -> str | None:
     return query_token(scope)
 
 
+def own_threads() -> bool:
+    """Whether worker sockets get a database thread each (WorkerConsumer.__call__)."""
+    return not getattr(connection, "is_in_memory_db", lambda: False)()
+
+
 def shared_queue() -> bool:
     return bool(settings.JOB_QUEUE == "redis")
 
@@ -99,6 +108,26 @@ class WorkerConsumer(RelayConsumer):
     lost = False
     protocol = PROTOCOL_V1  # its hello's
     seen_written = 0.0  # when last_seen was last written to its row (time.monotonic())
+    outer: contextvars.Context | None = None  # the context outside the socket's own thread
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        """Each worker socket's database calls run on a thread of its own with its own database
+        connection (closed when the socket ends), one call at a time, in order: a worker's reports
+        wait for no other worker's (on asgiref's one shared thread, a report stuck on a locked row
+        held up every worker of the process, and all their reports went one at a time). Its watch,
+        which may outlive the socket, keeps the shared thread. Not with an in-memory SQLite database
+        (the tests'), whose shared cache refuses a second writer at once instead of waiting."""
+        if not own_threads():
+            await super().__call__(scope, receive, send)
+            return
+        self.outer = contextvars.copy_context()
+        executor = ThreadPoolExecutor(1, thread_name_prefix="worker-socket")
+        try:
+            async with ThreadSensitiveContext(executor=executor):
+                await super().__call__(scope, receive, send)
+        finally:
+            executor.submit(connections.close_all)
+            executor.shutdown(wait=False)
 
     async def connect(self) -> None:
         """Accept, then close with 4001 unless the token is a worker credential."""
@@ -110,7 +139,7 @@ class WorkerConsumer(RelayConsumer):
             return
         self.last_seen = time.monotonic()
         # A connection that never says hello, or falls silent later, is closed all the same.
-        self.watchdog = asyncio.create_task(self.watch())
+        self.watchdog = asyncio.create_task(self.watch(), context=self.outer)
 
     async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
         """Parse a message and hand it to its handler; a bad message is logged, never fatal, and so

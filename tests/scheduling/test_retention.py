@@ -83,8 +83,11 @@ async def ended_jobs(alice, workers, settings) -> dict[str, str]:
     await worker.result(ids["old_init"], [PNG_B64, PNG_B64])
     assert [m["job_id"] for m in await worker.jobs(2)] == [ids["recent"], ids["held"]]
     await worker.result(ids["recent"], [PNG_B64])
-    await eventually(lambda: job_row(ids["recent"]))
-    assert (await job_row(ids["recent"]))["state"] == "succeeded"
+
+    async def recent_succeeded() -> bool:  # the worker's report is stored on its socket's own thread
+        return (await job_row(ids["recent"]))["state"] == "succeeded"
+
+    await eventually(recent_succeeded)
     await database_sync_to_async(WebhookDelivery.objects.create)(job_id=ids["old"], url="https://example.com/hook",
                                                                  created_at=timezone.now())
     (Path(settings.MEDIA_ROOT) / "jobs" / ids["old_init"] / "checkpoint-3.bin").write_bytes(b"left by a crash")
