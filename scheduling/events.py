@@ -183,13 +183,21 @@ class _Listeners:
 
     def __init__(self) -> None:
         self.known: dict[str, bool] = {}
+        self.none_at_all: bool | None = None
 
     def nobody(self) -> bool:
-        """Surely no account listens: one API process, and no job socket open in it."""
-        return not settings.REDIS_URL and not relay.has_local_members_in(account_group(""))
+        """Surely no account listens: no job socket open in this process, and none in the deployment
+        (one API process, or the deployment's count of every account's sockets says none). Asked
+        once per call."""
+        if self.none_at_all is None:
+            self.none_at_all = not relay.has_local_members_in(account_group("")) and (
+                not settings.REDIS_URL or not socket_seats().anyone_listens_at_all())
+        return self.none_at_all
 
     def __call__(self, account_id: int | str) -> bool:
         account = str(account_id)
+        if self.nobody():
+            return False
         if account not in self.known:
             self.known[account] = relay.has_local_members(account_group(account)) or (
                 bool(settings.REDIS_URL) and socket_seats().anyone_listens(account))

@@ -22,8 +22,9 @@ log = logging.getLogger(__name__)
 LEASE_SECONDS = 60.0  # an entry lapses this long after its process last refreshed it (a killed process's)
 REFRESH_SECONDS = LEASE_SECONDS / 4  # how often a process refreshes the entries of its open sockets
 
-# KEYS[1] the account's set; ARGV[1] now, ARGV[2] limit, ARGV[3] the entry's expiry, ARGV[4] the socket,
-# ARGV[5] the set's lifetime (s) -> 1 taken (or held already), 0 the account holds `limit` sockets
+# KEYS[1] the account's set, KEYS[2] every account's; ARGV[1] now, ARGV[2] limit, ARGV[3] the entry's
+# expiry, ARGV[4] the socket, ARGV[5] the sets' lifetime (s), ARGV[6] the socket's entry in KEYS[2]
+# -> 1 taken (or held already), 0 the account holds `limit` sockets
 _TAKE = """
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
 if not redis.call('ZSCORE', KEYS[1], ARGV[4]) and redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[2]) then
@@ -31,6 +32,9 @@ if not redis.call('ZSCORE', KEYS[1], ARGV[4]) and redis.call('ZCARD', KEYS[1]) >
 end
 redis.call('ZADD', KEYS[1], ARGV[3], ARGV[4])
 redis.call('EXPIRE', KEYS[1], ARGV[5])
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', ARGV[1])
+redis.call('ZADD', KEYS[2], ARGV[3], ARGV[6])
+redis.call('EXPIRE', KEYS[2], ARGV[5])
 return 1
 """
 
@@ -49,6 +53,9 @@ class SocketCounts(Protocol):
 
     def count(self, *, account: str, now: float) -> int:
         """The account's open sockets (an entry of a killed process counts until it lapses)."""
+
+    def count_all(self, *, now: float) -> int:
+        """Every account's open sockets together (likewise)."""
 
 
 class LocalSocketCounts:
@@ -79,10 +86,16 @@ class LocalSocketCounts:
         with self.lock:
             return len(self.open.get(account, ()))
 
+    def count_all(self, *, now: float) -> int:
+        with self.lock:
+            return sum(len(sockets) for sockets in self.open.values())
+
 
 class RedisSocketCounts:
     """Every API process's sockets: per account a sorted set of socket -> expiry, checked and added in
-    one script; each process moves its own sockets' expiries on, so a killed process's lapse."""
+    one script, with the same entry ("account:socket") in one set of every account's (`everyone`:
+    whether anybody listens at all, in one call); each process moves its own sockets' expiries on,
+    so a killed process's lapse."""
 
     def __init__(self, client: redis.Redis, *, prefix: str, lease_seconds: float = LEASE_SECONDS) -> None:
         self.client = client
@@ -93,22 +106,35 @@ class RedisSocketCounts:
     def key(self, account: str) -> str:
         return f"{self.prefix}{account}"
 
+    @property
+    def everyone(self) -> str:
+        return f"{self.prefix}all"  # account ids are numbers: no account's key
+
     def take(self, *, account: str, socket: str, limit: int, now: float) -> bool:
-        args = [repr(now), limit, repr(now + self.lease), socket, math.ceil(self.lease)]
-        return bool(self.script(keys=[self.key(account)], args=args))
+        args = [repr(now), limit, repr(now + self.lease), socket, math.ceil(self.lease), f"{account}:{socket}"]
+        return bool(self.script(keys=[self.key(account), self.everyone], args=args))
 
     def refresh(self, *, held: list[tuple[str, str]], now: float) -> None:
         pipe = self.client.pipeline(transaction=False)
         for account, socket in held:  # an entry that lapsed meanwhile comes back: its socket is open
             pipe.zadd(self.key(account), {socket: now + self.lease})
             pipe.expire(self.key(account), math.ceil(self.lease))
+            pipe.zadd(self.everyone, {f"{account}:{socket}": now + self.lease})
+        if held:
+            pipe.expire(self.everyone, math.ceil(self.lease))
         pipe.execute()
 
     def release(self, *, account: str, socket: str) -> None:
-        self.client.zrem(self.key(account), socket)
+        pipe = self.client.pipeline(transaction=False)
+        pipe.zrem(self.key(account), socket)
+        pipe.zrem(self.everyone, f"{account}:{socket}")
+        pipe.execute()
 
     def count(self, *, account: str, now: float) -> int:
         return int(self.client.zcount(self.key(account), f"({now!r}", "+inf"))
+
+    def count_all(self, *, now: float) -> int:
+        return int(self.client.zcount(self.everyone, f"({now!r}", "+inf"))
 
 
 class SocketSeats:
@@ -170,6 +196,14 @@ class SocketSeats:
         be told (Redis away): a caller skips work only on a sure no."""
         try:
             return self.counts.count(account=account, now=self.clock()) > 0
+        except redis.RedisError:
+            return True
+
+    def anyone_listens_at_all(self) -> bool:
+        """Whether any account holds an open socket anywhere in the deployment; True when that cannot
+        be told (Redis away)."""
+        try:
+            return self.counts.count_all(now=self.clock()) > 0
         except redis.RedisError:
             return True
 

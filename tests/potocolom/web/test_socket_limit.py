@@ -45,6 +45,30 @@ def test_an_account_holds_at_most_the_limit_and_a_closed_socket_frees_its_place(
     assert not counts.take(account="alice", socket="s4", limit=2, now=1002.0)
 
 
+def test_whether_anybody_listens_at_all_counts_every_accounts_sockets(counts):
+    assert counts.count_all(now=1000.0) == 0
+    counts.take(account="alice", socket="s0", limit=2, now=1000.0)
+    counts.take(account="bob", socket="b0", limit=2, now=1000.0)
+    assert not counts.take(account="alice", socket="s1", limit=1, now=1000.0)  # refused: not counted
+
+    assert counts.count_all(now=1000.0) == 2
+    counts.release(account="alice", socket="s0")
+    assert counts.count_all(now=1000.0) == 1
+    counts.release(account="bob", socket="b0")
+    assert counts.count_all(now=1000.0) == 0
+
+
+@pytest.mark.skipif(not redis_up(), reason=f"no Redis at {REDIS_URL}")
+def test_a_killed_processs_sockets_lapse_from_everyones_count_too():
+    prefix = f"test-{uuid.uuid4().hex}:"
+    killed, live = redis_counts(prefix), redis_counts(prefix)
+    killed.take(account="alice", socket="p1!a", limit=2, now=1000.0)
+    live.take(account="bob", socket="p2!a", limit=2, now=1000.0)
+    live.refresh(held=[("bob", "p2!a")], now=1000.0 + LEASE / 2)
+
+    assert live.count_all(now=1000.0 + LEASE + 1) == 1  # alice's lapsed, bob's was refreshed
+
+
 @pytest.mark.skipif(not redis_up(), reason=f"no Redis at {REDIS_URL}")
 def test_every_api_process_counts_the_same_sockets():
     prefix = f"test-{uuid.uuid4().hex}:"
