@@ -10,6 +10,7 @@ import hashlib
 import io
 import json
 import threading
+import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -19,6 +20,7 @@ from django.conf import settings
 from django.db import connections
 
 from potocolom.runtime import Slot, runtime
+from potocolom.web.middleware import DATABASE_FAILURES
 
 
 class HttpThreads:
@@ -132,6 +134,7 @@ class OneHopWsgi:
         await send({"type": "http.response.body", "body": content})
 
     def _run(self, environ: dict[str, Any]) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        check_connections_if_idle(time.monotonic())
         started: dict[str, Any] = {}
 
         def start_response(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Callable[..., None]:
@@ -147,6 +150,26 @@ class OneHopWsgi:
             if close is not None:
                 close()
         return started["status"], started["headers"], content
+
+
+IDLE_CHECK_SECONDS = 5.0  # a connection its thread left unused this long is checked before use
+_last_request = threading.local()
+
+
+def check_connections_if_idle(now: float) -> None:
+    """In an HTTP thread, before a request: when the thread served none for IDLE_CHECK_SECONDS, or a
+    request of this process met a database failure since its last one, the request's first query
+    checks the thread's kept database connection first (Django's health check, one `SELECT 1`), and
+    a broken one is replaced. A connection kept across a database restart otherwise fails that
+    request with 503 (the soak found one, 53 s after PostgreSQL was back, on a thread idle since).
+    Busy threads in a healthy process skip the check: it would cost every request a round trip."""
+    last = getattr(_last_request, "at", None)
+    failures = runtime.get(DATABASE_FAILURES).seen
+    stale = getattr(_last_request, "failures", failures) != failures
+    _last_request.at, _last_request.failures = now, failures
+    check = stale or last is None or now - last >= IDLE_CHECK_SECONDS
+    for kept in connections.all(initialized_only=True):
+        kept.health_check_enabled = check or bool(kept.settings_dict.get("CONN_HEALTH_CHECKS"))  # type: ignore[attr-defined]
 
 
 def wsgi_environ(scope: dict[str, Any], body: io.BytesIO) -> dict[str, Any]:
